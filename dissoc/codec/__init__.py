@@ -1,0 +1,42 @@
+"""dissoc's Arrow IPC codec: messages, stream and file formats, compression and dictionaries.
+
+Pure: bytes in, values out. No I/O beyond the readers' and writers' own sources and sinks, no event loop, no
+transport. Mirrors ``pyarrow.ipc``'s naming.
+"""
+
+from __future__ import annotations
+
+from dissoc.codec.decoder import MessageDecoder, ParsedMessage, parse
+from dissoc.codec.encoder import EncodedMessage, MessageEncoder
+from dissoc.codec.ipc import (
+    FileReader,
+    FileWriter,
+    StreamReader,
+    StreamWriter,
+    frame_prefix,
+    new_file,
+    new_stream,
+    open_file,
+    open_stream,
+)
+from dissoc.codec.message import HeaderType, has_body, peek_header
+
+__all__ = [
+    "EncodedMessage",
+    "FileReader",
+    "FileWriter",
+    "HeaderType",
+    "MessageDecoder",
+    "MessageEncoder",
+    "ParsedMessage",
+    "StreamReader",
+    "StreamWriter",
+    "frame_prefix",
+    "has_body",
+    "new_file",
+    "new_stream",
+    "open_file",
+    "open_stream",
+    "parse",
+    "peek_header",
+]

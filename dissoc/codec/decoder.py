@@ -1,0 +1,564 @@
+"""Decoding: Message metadata and a body given as separate arguments -> ``pyarrow.RecordBatch``.
+
+This is the push decoder that Dissociated IPC needs: it never reads anything itself, it is handed the metadata
+and, for batches, the body (packed bytes, or memory the caller mapped). Uncompressed little-endian bodies are
+never copied: arrays are built over the body through the C Data Interface (see :mod:`dissoc.codec.cdata`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+
+from dissoc.codec import cdata
+from dissoc.codec.checks import check_node, check_run_ends
+from dissoc.codec.compression import decompress_buffer
+from dissoc.codec.message import (
+    HeaderType,
+    MessageInfo,
+    RecordBatchHeader,
+    parse_message,
+    parse_record_batch,
+)
+from dissoc.codec.schema import (
+    IPC_BUFFERS,
+    SWAP_MONTH_DAY_NANO,
+    SWAP_REVERSE,
+    DictionaryInfo,
+    FieldPlan,
+    Layout,
+    SchemaInfo,
+    decode_schema,
+)
+from dissoc.errors import CodecError
+
+__all__ = ["MessageDecoder", "ParsedMessage", "parse"]
+
+log = logging.getLogger(__name__)
+
+_NO_VALIDITY = {Layout.NULL, Layout.SPARSE_UNION, Layout.DENSE_UNION, Layout.RUN_END}
+_UNIONS = {Layout.SPARSE_UNION, Layout.DENSE_UNION}
+
+
+@dataclass(slots=True)
+class ParsedMessage:
+    """A parsed Message: its header fields, and for batches the nodes and buffers (offsets, lengths)."""
+
+    info: MessageInfo
+    batch: RecordBatchHeader | None = None
+    dictionary_id: int | None = None
+    is_delta: bool = False
+
+    @property
+    def header_type(self) -> int:
+        return self.info.header_type
+
+    @property
+    def body_length(self) -> int:
+        return self.info.body_length
+
+    @property
+    def has_body(self) -> bool:
+        return self.info.header_type in (HeaderType.RecordBatch, HeaderType.DictionaryBatch)
+
+
+def parse(metadata: object) -> ParsedMessage:
+    """Parse a Message flatbuffer and, for batches, their RecordBatch header."""
+    info = parse_message(metadata)
+    assert info.header is not None
+    if info.header_type == HeaderType.RecordBatch:
+        return ParsedMessage(info, parse_record_batch(info.header))
+    if info.header_type == HeaderType.DictionaryBatch:
+        h = info.header
+        data = h.table(1, "RecordBatch")
+        if data is None:
+            raise CodecError("DictionaryBatch: its RecordBatch (data) is missing")
+        return ParsedMessage(info, parse_record_batch(data), h.scalar(0, "q", 0), bool(h.scalar(2, "?", False)))
+    if info.header_type in (HeaderType.Tensor, HeaderType.SparseTensor):
+        raise CodecError(f"unsupported message type {HeaderType(info.header_type).name}: not part of IPC streams")
+    return ParsedMessage(info)
+
+
+class _Compiled:
+    """A list of top-level plans flattened into the index arrays the bulk import needs."""
+
+    def __init__(self, plans: list[FieldPlan], schema: pa.Schema, v4_unions: bool) -> None:
+        flat: list[FieldPlan] = []
+        children: list[list[int]] = [[]]  # struct 0 is the root
+
+        def visit(p: FieldPlan) -> int:
+            flat.append(p)
+            children.append([])
+            idx = len(flat)  # struct index of this node
+            kids = [] if p.dict_id >= 0 else p.children
+            children[idx] = [visit(c) for c in kids]
+            return idx
+
+        children[0] = [visit(p) for p in plans]
+        self.child_nodes = [[k - 1 for k in kids] for kids in children[1:]]
+        self.schema = schema
+        self.flat = flat
+        n = len(flat)
+        self.n_nodes = n
+        layouts = np.array([p.layout for p in flat], np.int64)
+        self.layouts = layouts
+        self.nbuf_ipc = np.array([IPC_BUFFERS[Layout(x)] for x in layouts.tolist()], np.int64)
+        self.has_validity = np.array([Layout(x) not in _NO_VALIDITY for x in layouts.tolist()], bool)
+        self.drop_first = np.zeros(n, bool)
+        if v4_unions:
+            self.drop_first = np.isin(layouts, [Layout.SPARSE_UNION, Layout.DENSE_UNION])
+            self.nbuf_ipc = self.nbuf_ipc + self.drop_first
+        self.view_nodes = np.flatnonzero(layouts == Layout.VIEW)
+        self.null_nodes = np.flatnonzero(layouts == Layout.NULL)
+        self.dict_nodes = [(i, p.dict_id) for i, p in enumerate(flat) if p.dict_id >= 0]
+        self.n_children = np.array([len(c) for c in children], np.uint64)
+        self.child_idx = np.array([i for c in children for i in c], np.uint64)
+        cs = np.zeros(n + 1, np.uint64)
+        np.cumsum(self.n_children[:-1], out=cs[1:])
+        self.child_start = cs
+        self.simple = not self.view_nodes.size and not v4_unions
+        # The parts of the struct tree that do not change from batch to batch.
+        tmpl = np.zeros((n + 1, 10), np.uint64)
+        tmpl[0, 3] = 1
+        tmpl[1:, 3] = self.nbuf_ipc - self.drop_first + (layouts == Layout.VIEW)
+        tmpl[:, 4] = self.n_children
+        self.template = tmpl
+        self.total_buffers = int(self.nbuf_ipc.sum())
+        self.has_kids = (self.n_children > 0).astype(np.uint64)
+        self.child_rel = self.child_start * np.uint64(8)
+        self.child_idx80 = self.child_idx * np.uint64(cdata.STRUCT_SIZE)
+        rel = np.zeros(n + 1, np.uint64)
+        rel[1:] = (np.uint64(1) + _exclusive_cumsum(self.nbuf_ipc).astype(np.uint64)) * np.uint64(8)
+        self.buf_rel = rel  # valid for simple plans: byte offset of each struct's buffer list
+        vn = np.flatnonzero(self.has_validity)
+        self.validity_nodes = vn
+        self.validity_pos = _exclusive_cumsum(self.nbuf_ipc)[vn] + 1  # in the pointer array (after root's)
+        risky = {Layout.BINARY, Layout.LARGE_BINARY, Layout.LIST, Layout.LARGE_LIST, Layout.LIST_VIEW,
+                 Layout.LARGE_LIST_VIEW, Layout.VIEW, Layout.SPARSE_UNION, Layout.DENSE_UNION, Layout.RUN_END}
+        self.checked = [i for i, p in enumerate(flat) if p.layout in risky or p.dict_id >= 0]
+
+
+def _exclusive_cumsum(a: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    out = np.zeros(len(a), np.int64)
+    if len(a) > 1:
+        np.cumsum(a[:-1], out=out[1:])
+    return out
+
+
+class MessageDecoder:
+    """Decode a stream of Message metadata (+ bodies) into ``pa.RecordBatch`` objects.
+
+    Call :meth:`decode` once per message, in stream order. Schema and dictionary messages return ``None``;
+    record batches return a ``pa.RecordBatch`` built over ``body`` without copying it (uncompressed,
+    little-endian data). With ``validate`` (the default) offsets, views, union ids, dictionary indices and run
+    ends are checked (see :mod:`dissoc.codec.checks`), so that malformed data from the wire raises
+    :class:`CodecError` instead of producing arrays that read out of bounds; buffer sizes are always checked.
+    Turn it off only for trusted producers.
+    """
+
+    def __init__(
+        self,
+        *,
+        validate: bool = True,
+        max_buffer_bytes: int = 1 << 34,
+        allow_dictionary_replacement: bool = True,
+        schema: pa.Schema | None = None,
+    ) -> None:
+        self.validate = validate
+        self.max_buffer_bytes = max_buffer_bytes
+        self.allow_dictionary_replacement = allow_dictionary_replacement
+        self._info: SchemaInfo | None = None
+        self._compiled: _Compiled | None = None
+        self._dict_compiled: dict[int, _Compiled] = {}
+        self.dictionaries: dict[int, pa.Array] = {}
+        self._version = 4
+        if schema is not None:
+            raise CodecError("MessageDecoder(schema=...) is not supported: decode the schema message first")
+
+    @property
+    def schema(self) -> pa.Schema | None:
+        """The stream's schema, once its Schema message has been decoded."""
+        return None if self._info is None else self._info.schema
+
+    @property
+    def schema_info(self) -> SchemaInfo | None:
+        return self._info
+
+    def decode(self, metadata: object, body: object = None) -> pa.RecordBatch | None:
+        """Decode one message; ``body`` is bytes-like (or a ``pa.Buffer``) for batch messages."""
+        return self.decode_parsed(parse(metadata), body)
+
+    def decode_parsed(self, msg: ParsedMessage, body: object = None) -> pa.RecordBatch | None:
+        info = msg.info
+        if info.header_type == HeaderType.Schema:
+            if self._info is not None:
+                raise CodecError("a second Schema message arrived; a stream has exactly one")
+            assert info.header is not None
+            self.set_schema(decode_schema(info.header, info.version), info.version)
+            return None
+        if self._info is None:
+            raise CodecError(
+                f"a {HeaderType(info.header_type).name} message arrived before the Schema message"
+            )
+        buf = _as_buffer(body)
+        if buf.size < info.body_length:
+            raise CodecError(f"message body: expected {info.body_length} bytes, got {buf.size}")
+        assert msg.batch is not None
+        if info.header_type == HeaderType.DictionaryBatch:
+            assert msg.dictionary_id is not None
+            self._decode_dictionary(msg.dictionary_id, msg.is_delta, msg.batch, buf, info.body_length)
+            return None
+        assert self._compiled is not None
+        return self._decode_batch(self._compiled, msg.batch, buf, info.body_length)
+
+    def set_schema(self, info: SchemaInfo, version: int = 4) -> None:
+        """Start decoding with a schema decoded elsewhere (e.g. from a file footer)."""
+        self._info = info
+        self._version = version
+        self._compiled = _Compiled(info.plans, info.schema, version < 4)
+
+    # ------------------------------------------------------------------------------------------ dictionaries
+
+    def _decode_dictionary(
+        self, dict_id: int, is_delta: bool, header: RecordBatchHeader, body: pa.Buffer, body_length: int
+    ) -> None:
+        assert self._info is not None
+        dinfo = self._info.dictionaries.get(dict_id)
+        if dinfo is None:
+            known = sorted(self._info.dictionaries)
+            raise CodecError(f"DictionaryBatch: id {dict_id} is not in the schema (known ids: {known})")
+        compiled = self._dict_compiled.get(dict_id)
+        if compiled is None:
+            compiled = _Compiled(
+                [dinfo.value_plan], pa.schema([dinfo.value_plan.field]), self._version < 4
+            )
+            self._dict_compiled[dict_id] = compiled
+        values = self._decode_batch(compiled, header, body, body_length).column(0)
+        prev = self.dictionaries.get(dict_id)
+        if is_delta:
+            if prev is None:
+                raise CodecError(f"DictionaryBatch: delta for id {dict_id} before any dictionary for it")
+            try:
+                values = pa.concat_arrays([prev, values])
+            except pa.ArrowException as e:
+                raise CodecError(f"DictionaryBatch: cannot apply delta to id {dict_id}: {e}") from None
+        elif prev is not None and not self.allow_dictionary_replacement:
+            raise CodecError(
+                f"DictionaryBatch: replacement of dictionary id {dict_id} is not allowed in the file format"
+            )
+        log.debug("dictionary id=%#x delta=%s length=%d", dict_id, is_delta, len(values))
+        self.dictionaries[dict_id] = values
+
+    def dictionary_info(self, dict_id: int) -> DictionaryInfo | None:
+        return None if self._info is None else self._info.dictionaries.get(dict_id)
+
+    # ------------------------------------------------------------------------------------------ batches
+
+    def _decode_batch(
+        self, c: _Compiled, h: RecordBatchHeader, body: pa.Buffer, body_length: int
+    ) -> pa.RecordBatch:
+        assert self._info is not None
+        nodes = h.nodes
+        if len(nodes) != c.n_nodes:
+            raise CodecError(f"RecordBatch: the schema has {c.n_nodes} field nodes, the message lists {len(nodes)}")
+        nbuf = c.nbuf_ipc
+        if c.view_nodes.size:
+            vc = h.variadic_counts
+            if vc is None or len(vc) != len(c.view_nodes):
+                raise CodecError(
+                    f"RecordBatch: {len(c.view_nodes)} view fields need as many variadicBufferCounts, "
+                    f"got {0 if vc is None else len(vc)}"
+                )
+            if int(vc.max()) > 1 << 20:
+                raise CodecError(f"RecordBatch: variadicBufferCounts {int(vc.max())} is implausibly large")
+            nbuf = nbuf.copy()
+            nbuf[c.view_nodes] += vc
+        elif h.variadic_counts is not None and len(h.variadic_counts):
+            raise CodecError(
+                f"RecordBatch: variadicBufferCounts has {len(h.variadic_counts)} entries but the schema has no views"
+            )
+        buffers = h.buffers
+        total = int(nbuf.sum()) if c.view_nodes.size else c.total_buffers
+        if len(buffers) != total:
+            raise CodecError(f"RecordBatch: the schema needs {total} buffers, the message lists {len(buffers)}")
+        limit = min(body.size, body_length)
+        offs = buffers[:, 0]
+        lens = buffers[:, 1]
+        # Both columns are >= 0 (checked when parsed), so once neither exceeds the limit their sum cannot
+        # overflow.
+        if len(buffers) and (int(buffers.max()) > limit or int((offs + lens).max()) > limit):
+            bad = int(np.flatnonzero((lens > limit) | (offs > limit - lens))[0])
+            raise CodecError(
+                f"RecordBatch: buffer {bad} (offset {int(offs[bad])}, length {int(lens[bad])}) lies outside "
+                f"the {limit}-byte body"
+            )
+        keep = cdata.Keepalive()
+        keep.objects.append(body)
+        lengths = lens
+        transformed = h.compression is not None or self._info.big_endian
+        if c.simple and not transformed:
+            addrs = None
+        else:
+            addrs = offs.astype(np.uint64) + np.uint64(body.address)
+            if transformed:
+                addrs, lengths = self._transform_buffers(c, h, nbuf, _exclusive_cumsum(nbuf), body, addrs, keep)
+        for _, did in c.dict_nodes:
+            if did not in self.dictionaries:
+                raise CodecError(f"RecordBatch: dictionary id {did} is used before any DictionaryBatch for it")
+        if c.checked and self.validate:
+            if addrs is None:
+                self._check(c, nodes, nbuf, _exclusive_cumsum(nbuf),
+                            offs.astype(np.uint64) + np.uint64(body.address), lengths)
+            else:
+                self._check(c, nodes, nbuf, _exclusive_cumsum(nbuf), addrs, lengths)
+        n = c.n_nodes
+        if addrs is None:
+            nptr = len(offs) + 1
+            cbuf_rel = c.buf_rel
+        else:
+            first = _exclusive_cumsum(nbuf)
+            vnodes = np.flatnonzero(c.has_validity & (nodes[:, 1] == 0))
+            if vnodes.size:
+                addrs[first[vnodes] + c.drop_first[vnodes]] = 0
+            ptr_list = self._c_pointers(c, nbuf, first, addrs, lengths, keep)
+            nptr = len(ptr_list)
+            nbuf_c = nbuf - c.drop_first + (c.layouts == Layout.VIEW)
+            cbuf_rel = np.zeros(n + 1, np.uint64)
+            cbuf_rel[1:] = (np.uint64(1) + _exclusive_cumsum(nbuf_c).astype(np.uint64)) * np.uint64(8)
+        nkid = len(c.child_idx)
+        # One allocation for the structs, the buffer pointer list and the child pointer list.
+        mem = pa.allocate_buffer(8 * (10 * (n + 1) + nptr + nkid))
+        keep.objects.append(mem)
+        words = np.frombuffer(mem, np.uint64)
+        structs = words[: 10 * (n + 1)].reshape(n + 1, 10)
+        ptrs = words[10 * (n + 1) : 10 * (n + 1) + nptr]
+        kids = words[10 * (n + 1) + nptr :]
+        base = mem.address
+        structs[:] = c.template
+        structs[1:, 0:2] = nodes
+        structs[0, 0] = h.length
+        if c.null_nodes.size:
+            structs[c.null_nodes + 1, 1] = nodes[c.null_nodes, 0]
+        if addrs is None:
+            ptrs[0] = 0
+            np.add(offs, body.address, out=ptrs[1:], casting="unsafe")
+            if c.validity_pos.size:
+                ptrs[c.validity_pos] *= nodes[c.validity_nodes, 1] != 0
+        else:
+            ptrs[:] = ptr_list
+            structs[1:, 3] = nbuf_c
+        structs[:, 5] = cbuf_rel + np.uint64(base + 80 * (n + 1))
+        if nkid:
+            kbase = base + 80 * (n + 1) + 8 * nptr
+            np.add(c.child_idx80, np.uint64(base), out=kids)
+            structs[:, 6] = (c.child_rel + np.uint64(kbase)) * c.has_kids
+        for i, did in c.dict_nodes:
+            structs[i + 1, 7] = cdata.export_array(self.dictionaries[did], keep)
+        try:
+            batch = cdata.import_batch(structs, base, c.schema, keep)
+        except (pa.ArrowException, ValueError, TypeError) as e:
+            raise CodecError(f"RecordBatch: invalid layout: {e}") from None
+        try:
+            batch.validate()
+        except (pa.ArrowException, ValueError) as e:
+            raise CodecError(f"RecordBatch: invalid data: {e}") from None
+        return batch
+
+    def _check(
+        self,
+        c: _Compiled,
+        nodes: npt.NDArray[np.int64],
+        nbuf: npt.NDArray[np.int64],
+        first: npt.NDArray[np.int64],
+        addrs: npt.NDArray[np.uint64],
+        lengths: npt.NDArray[np.int64],
+    ) -> None:
+        for i in c.checked:
+            p = c.flat[i]
+            s = int(first[i] + c.drop_first[i])
+            e = int(first[i] + nbuf[i])
+            kids = c.child_nodes[i]
+            length = int(nodes[i, 0])
+            name = f"field {p.field.name!r}"
+            if p.layout == Layout.RUN_END:
+                r, v = kids
+                k = int(first[r]) + 1
+                check_run_ends(name, length, int(addrs[k]), int(lengths[k]), int(nodes[r, 0]),
+                               c.flat[r].width, int(nodes[v, 0]))
+                continue
+            dlen = len(self.dictionaries[p.dict_id]) if p.dict_id in self.dictionaries else 0
+            check_node(p, name, length, int(nodes[i, 1]), addrs[s:e].tolist(), lengths[s:e].tolist(),
+                       [int(nodes[k, 0]) for k in kids], dlen)
+
+    def _c_pointers(
+        self,
+        c: _Compiled,
+        nbuf: npt.NDArray[np.int64],
+        first: npt.NDArray[np.int64],
+        addrs: npt.NDArray[np.uint64],
+        lengths: npt.NDArray[np.int64],
+        keep: cdata.Keepalive,
+    ) -> npt.NDArray[np.uint64]:
+        """The C Data Interface buffer list: drop V4 union validity, add the view nodes' variadic sizes."""
+        out: list[Any] = [np.zeros(1, np.uint64)]
+        for i in range(c.n_nodes):
+            s, e = int(first[i]), int(first[i] + nbuf[i])
+            if c.drop_first[i]:
+                s += 1
+            out.append(addrs[s:e])
+            if c.layouts[i] == Layout.VIEW:
+                sizes = np.ascontiguousarray(lengths[first[i] + 2 : first[i] + nbuf[i]], np.int64)
+                keep.objects.append(sizes)
+                out.append(np.array([sizes.ctypes.data], np.uint64))
+        return np.concatenate(out)
+
+    def _transform_buffers(
+        self,
+        c: _Compiled,
+        h: RecordBatchHeader,
+        nbuf: npt.NDArray[np.int64],
+        first: npt.NDArray[np.int64],
+        body: pa.Buffer,
+        addrs: npt.NDArray[np.uint64],
+        keep: cdata.Keepalive,
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
+        """Decompress and/or byte-swap buffers into new memory (the slow path)."""
+        assert self._info is not None
+        mv = memoryview(body)
+        lens = h.buffers[:, 1].copy()
+        nodes = h.nodes
+        for i, p in enumerate(c.flat):
+            length = int(nodes[i, 0])
+            s = int(first[i])
+            for j, role in enumerate(_roles(p, int(nbuf[i]), bool(c.drop_first[i]))):
+                k = s + j
+                off, n = int(h.buffers[k, 0]), int(h.buffers[k, 1])
+                raw = mv[off : off + n]
+                data: Any = raw
+                if h.compression is not None:
+                    data = decompress_buffer(h.compression, data, _bound(role, p, length, self.max_buffer_bytes))
+                if self._info.big_endian:
+                    data = _swap(role, p, data)
+                if data is not raw:
+                    arr = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+                    keep.objects.append(arr)
+                    addrs[k] = arr.ctypes.data if arr.size else np.uint64(body.address)
+                    lens[k] = arr.size
+        return addrs, lens
+
+
+# Buffer roles, used by the slow paths (decompression bounds and byte swapping).
+_VALIDITY, _BITS, _FIXED, _OFF4, _OFF8, _DATA, _VIEWS, _TYPE_IDS, _SIZES4, _SIZES8, _SKIP = range(11)
+
+
+def _roles(p: FieldPlan, nbuf: int, drop_first: bool) -> list[int]:
+    lay = p.layout
+    pre = [_SKIP] if drop_first else []
+    if lay == Layout.NULL or lay == Layout.RUN_END:
+        return pre
+    if lay == Layout.BOOL:
+        return [_VALIDITY, _BITS]
+    if lay == Layout.FIXED:
+        return [_VALIDITY, _FIXED]
+    if lay == Layout.BINARY:
+        return [_VALIDITY, _OFF4, _DATA]
+    if lay == Layout.LARGE_BINARY:
+        return [_VALIDITY, _OFF8, _DATA]
+    if lay == Layout.VIEW:
+        return [_VALIDITY, _VIEWS] + [_DATA] * (nbuf - 2)
+    if lay == Layout.LIST:
+        return [_VALIDITY, _OFF4]
+    if lay == Layout.LARGE_LIST:
+        return [_VALIDITY, _OFF8]
+    if lay == Layout.LIST_VIEW:
+        return [_VALIDITY, _OFF4, _SIZES4]
+    if lay == Layout.LARGE_LIST_VIEW:
+        return [_VALIDITY, _OFF8, _SIZES8]
+    if lay in (Layout.FIXED_LIST, Layout.STRUCT):
+        return [_VALIDITY]
+    if lay == Layout.SPARSE_UNION:
+        return [*pre, _TYPE_IDS]
+    return [*pre, _TYPE_IDS, _OFF4]
+
+
+def _bound(role: int, p: FieldPlan, length: int, limit: int) -> int:
+    """The largest uncompressed size the metadata justifies for one buffer."""
+    slack = 4096
+    if role in (_VALIDITY, _BITS):
+        need = (length + 7) // 8
+    elif role == _FIXED:
+        need = length * p.width
+    elif role in (_OFF4, _SIZES4):
+        need = (length + 1) * 4
+    elif role in (_OFF8, _SIZES8):
+        need = (length + 1) * 8
+    elif role == _VIEWS:
+        need = length * 16
+    elif role == _TYPE_IDS:
+        need = length
+    else:
+        return limit
+    return min(limit, 2 * need + slack)
+
+
+def _swap(role: int, p: FieldPlan, data: Any) -> Any:
+    n = len(data)
+    if n == 0:
+        return data
+    if role in (_OFF4, _SIZES4):
+        return _swapped(data, 4)
+    if role in (_OFF8, _SIZES8):
+        return _swapped(data, 8)
+    if role == _FIXED:
+        w = p.swap_width
+        if w in (2, 4, 8):
+            return _swapped(data, w)
+        if w == SWAP_REVERSE:
+            width = p.width
+            if n % width:
+                raise CodecError(f"big-endian buffer of {n} bytes is not a multiple of width {width}")
+            return np.frombuffer(data, np.uint8).reshape(-1, width)[:, ::-1].copy().reshape(-1)
+        if w == SWAP_MONTH_DAY_NANO:
+            if n % 16:
+                raise CodecError(f"big-endian interval buffer of {n} bytes is not a multiple of 16")
+            a = np.frombuffer(data, np.uint8).reshape(-1, 16).copy()
+            a[:, 0:4] = a[:, 3::-1]
+            a[:, 4:8] = a[:, 7:3:-1]
+            a[:, 8:16] = a[:, 15:7:-1]
+            return a.reshape(-1)
+        return data
+    if role == _VIEWS:
+        if n % 16:
+            raise CodecError(f"big-endian view buffer of {n} bytes is not a multiple of 16")
+        a = np.frombuffer(data, np.uint8).reshape(-1, 16).copy()
+        a[:, 0:4] = a[:, 3::-1]
+        length = a[:, 0:4].copy().view("<i4").reshape(-1)
+        long = length > 12
+        a[long, 8:12] = a[long, 11:7:-1]
+        a[long, 12:16] = a[long, 15:11:-1]
+        return a.reshape(-1)
+    return data
+
+
+def _swapped(data: Any, width: int) -> npt.NDArray[np.uint8]:
+    n = len(data)
+    if n % width:
+        raise CodecError(f"big-endian buffer of {n} bytes is not a multiple of its {width}-byte elements")
+    return np.frombuffer(data, f">u{width}").astype(f"<u{width}").view(np.uint8)
+
+
+def _as_buffer(body: object) -> pa.Buffer:
+    if body is None:
+        return pa.py_buffer(b"")
+    if isinstance(body, pa.Buffer):
+        return body
+    try:
+        return pa.py_buffer(body)
+    except TypeError:
+        raise CodecError(f"message body must be bytes-like, got {type(body).__name__}") from None
+

@@ -1,0 +1,291 @@
+"""Encoding: ``pyarrow.RecordBatch`` -> Message metadata plus the list of body buffers.
+
+The body buffers point at the batch's own memory (no copy) wherever the Arrow layout allows; only sliced
+arrays whose bitmaps start mid-byte, rebased offsets and run-end slices are rewritten. Buffers are padded to
+8-byte boundaries with shared zero padding.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import flatbuffers
+import numpy as np
+import pyarrow as pa
+
+from dissoc.codec.compression import codec_id, compress_buffer
+from dissoc.codec.message import HeaderType, encode_dictionary_batch, encode_record_batch
+from dissoc.codec.schema import DictionaryIds, build_message, encode_schema
+from dissoc.errors import CodecError
+
+__all__ = ["EncodedMessage", "MessageEncoder"]
+
+log = logging.getLogger(__name__)
+
+ALIGNMENT = 8
+_ZEROS = bytes(64)
+_MINUS_ONE = (-1).to_bytes(8, "little", signed=True)
+
+
+@dataclass(slots=True)
+class EncodedMessage:
+    """One IPC message: the Message flatbuffer and the body as a list of buffers (already padded)."""
+
+    metadata: bytes
+    body_buffers: list[Any] = field(default_factory=list)
+    body_length: int = 0
+    header_type: int = HeaderType.RecordBatch
+
+    @property
+    def body(self) -> bytes:
+        """The body joined into one bytes object (copies; for tests and small messages)."""
+        return b"".join(bytes(memoryview(b)) for b in self.body_buffers)
+
+
+def _bitmap(buf: pa.Buffer | None, offset: int, length: int) -> Any:
+    """Bytes of a bitmap starting at bit ``offset`` (a copy only when the offset is not byte aligned)."""
+    if buf is None or length == 0:
+        return None
+    nbytes = (length + 7) // 8
+    if offset % 8 == 0:
+        return buf.slice(offset // 8, nbytes)
+    start = offset // 8
+    end = (offset + length + 7) // 8
+    bits = np.unpackbits(np.frombuffer(buf, np.uint8, end - start, start), bitorder="little")
+    shift = offset - start * 8
+    return np.packbits(bits[shift : shift + length], bitorder="little")
+
+
+def _rebased_offsets(buf: pa.Buffer, offset: int, length: int, dtype: str) -> tuple[Any, int, int]:
+    """The offsets slice for ``length`` values from ``offset``, rebased to start at 0; (buffer, first, last)."""
+    width = np.dtype(dtype).itemsize
+    if length == 0:
+        return None, 0, 0
+    offs = np.frombuffer(buf, dtype, length + 1, offset * width)
+    first, last = int(offs[0]), int(offs[-1])
+    if first == 0:
+        return buf.slice(offset * width, (length + 1) * width), 0, last
+    return offs - offs.dtype.type(first), first, last
+
+
+class _Flattener:
+    """Walks arrays depth first, collecting field nodes, body buffers and dictionaries (by id)."""
+
+    def __init__(self, ids: DictionaryIds) -> None:
+        self.ids = ids
+        self.nodes: list[tuple[int, int]] = []
+        self.buffers: list[Any] = []
+        self.variadic: list[int] = []
+        self.dictionaries: list[tuple[int, pa.Array]] = []
+
+    def visit(self, arr: pa.Array, path: tuple[int, ...]) -> None:
+        ty = arr.type
+        if isinstance(ty, pa.BaseExtensionType):
+            arr = arr.storage
+            ty = arr.type
+        n, off = len(arr), arr.offset
+        types = pa.types
+        if types.is_dictionary(ty):
+            self.dictionaries.append((self.ids.by_path[path], arr.dictionary, path))  # type: ignore[arg-type]
+            ty = ty.index_type
+        nulls = arr.null_count
+        if types.is_null(ty):
+            self.nodes.append((n, n))
+            return
+        self.nodes.append((n, nulls))
+        bufs = arr.buffers()
+        validity = _bitmap(bufs[0], off, n) if nulls else None
+        add = self.buffers.append
+        if types.is_boolean(ty):
+            add(validity)
+            add(_bitmap(bufs[1], off, n))
+        elif types.is_union(ty):
+            add(bufs[1].slice(off, n) if n else None)
+            if ty.mode == "dense":
+                add(bufs[2].slice(off * 4, n * 4) if n else None)
+                for i in range(ty.num_fields):
+                    self.visit(arr.field(i), (*path, i))
+            else:
+                for i in range(ty.num_fields):
+                    self.visit(arr.field(i), (*path, i))
+        elif types.is_run_end_encoded(ty):
+            run_ends, values = _ree_children(arr)
+            self.visit(run_ends, (*path, 0))
+            self.visit(values, (*path, 1))
+        elif types.is_binary_view(ty) or types.is_string_view(ty):
+            add(validity)
+            add(bufs[1].slice(off * 16, n * 16) if n else None)
+            data = bufs[2:]
+            self.variadic.append(len(data))
+            self.buffers.extend(data)
+        elif types.is_binary(ty) or types.is_string(ty) or types.is_large_binary(ty) or types.is_large_string(ty):
+            dtype = "<i8" if types.is_large_binary(ty) or types.is_large_string(ty) else "<i4"
+            offsets, first, last = _rebased_offsets(bufs[1], off, n, dtype)
+            add(validity)
+            add(offsets)
+            add(bufs[2].slice(first, last - first) if bufs[2] is not None and last > first else None)
+        elif types.is_list(ty) or types.is_large_list(ty) or types.is_map(ty):
+            dtype = "<i8" if types.is_large_list(ty) else "<i4"
+            offsets, first, last = _rebased_offsets(bufs[1], off, n, dtype)
+            add(validity)
+            add(offsets)
+            child = arr.values
+            self.visit(child.slice(first, last - first), (*path, 0))
+        elif types.is_list_view(ty) or types.is_large_list_view(ty):
+            w = 8 if types.is_large_list_view(ty) else 4
+            add(validity)
+            add(bufs[1].slice(off * w, n * w) if n else None)
+            add(bufs[2].slice(off * w, n * w) if n else None)
+            self.visit(arr.values, (*path, 0))
+        elif types.is_fixed_size_list(ty):
+            add(validity)
+            size = ty.list_size
+            self.visit(arr.values.slice(off * size, n * size), (*path, 0))
+        elif types.is_struct(ty):
+            add(validity)
+            for i in range(ty.num_fields):
+                self.visit(arr.field(i), (*path, i))
+        else:
+            width = ty.byte_width if not types.is_dictionary(arr.type) else ty.bit_width // 8
+            if width <= 0:
+                raise CodecError(f"cannot encode arrays of type {arr.type}")
+            add(validity)
+            add(bufs[1].slice(off * width, n * width) if n else None)
+
+
+def _ree_children(arr: pa.Array) -> tuple[pa.Array, pa.Array]:
+    """Run ends and values covering exactly the array's logical slice."""
+    run_ends, values = arr.run_ends, arr.values
+    off, n = arr.offset, len(arr)
+    if off == 0 and (len(run_ends) == 0 or run_ends[-1].as_py() == n):
+        return run_ends, values
+    ends = run_ends.to_numpy(zero_copy_only=False)
+    if n == 0:
+        return run_ends.slice(0, 0), values.slice(0, 0)
+    lo = int(np.searchsorted(ends, off, side="right"))
+    hi = int(np.searchsorted(ends, off + n - 1, side="right"))
+    new_ends = np.minimum(ends[lo : hi + 1] - off, n).astype(ends.dtype)
+    return pa.array(new_ends, run_ends.type), values.slice(lo, hi - lo + 1)
+
+
+class MessageEncoder:
+    """Encode record batches of one schema into IPC messages, split into metadata and body buffers.
+
+    :meth:`encode` returns the DictionaryBatch messages a batch needs (new dictionaries, deltas or
+    replacements) followed by its RecordBatch message.
+    """
+
+    def __init__(
+        self,
+        schema: pa.Schema,
+        *,
+        compression: str | None = None,
+        emit_dictionary_deltas: bool = False,
+        allow_dictionary_replacement: bool = True,
+    ) -> None:
+        if not isinstance(schema, pa.Schema):
+            raise TypeError(f"schema must be a pyarrow.Schema, got {type(schema).__name__}")
+        self.schema = schema
+        self.compression = codec_id(compression)
+        self.emit_dictionary_deltas = emit_dictionary_deltas
+        self.allow_dictionary_replacement = allow_dictionary_replacement
+        self.ids = DictionaryIds(schema)
+        self._dicts: dict[int, pa.Array] = {}
+
+    def schema_message(self) -> EncodedMessage:
+        """The Schema message that starts every stream."""
+        b = flatbuffers.Builder(1024)
+        off = encode_schema(b, self.schema, self.ids)
+        return EncodedMessage(build_message(b, HeaderType.Schema, off, 0), [], 0, HeaderType.Schema)
+
+    def encode(self, batch: pa.RecordBatch) -> list[EncodedMessage]:
+        """The messages for one batch: dictionary batches first, then the record batch."""
+        if not batch.schema.equals(self.schema, check_metadata=False):
+            raise CodecError(f"batch schema {batch.schema} does not match the stream schema {self.schema}")
+        fl = _Flattener(self.ids)
+        for i in range(batch.num_columns):
+            fl.visit(batch.column(i), (i,))
+        out: list[EncodedMessage] = []
+        seen: set[int] = set()
+        for did, dictionary, path in fl.dictionaries:
+            self._dictionary_messages(did, dictionary, path, out, seen)
+        out.append(self._message(HeaderType.RecordBatch, batch.num_rows, fl))
+        return out
+
+    def _dictionary_messages(
+        self, did: int, dictionary: pa.Array, path: tuple[int, ...], out: list[EncodedMessage], seen: set[int]
+    ) -> None:
+        if did in seen:
+            return
+        seen.add(did)
+        prev = self._dicts.get(did)
+        if prev is not None and (prev is dictionary or prev.equals(dictionary)):
+            return
+        delta = False
+        values = dictionary
+        if prev is not None:
+            if (
+                self.emit_dictionary_deltas
+                and len(dictionary) >= len(prev)
+                and dictionary.slice(0, len(prev)).equals(prev)
+            ):
+                delta = True
+                values = dictionary.slice(len(prev))
+            elif not self.allow_dictionary_replacement:
+                raise CodecError(
+                    f"dictionary id {did} changed between batches; the IPC file format cannot replace a "
+                    "dictionary (only deltas, with emit_dictionary_deltas=True)"
+                )
+        fl = _Flattener(self.ids)
+        fl.visit(values, (*path, -1))
+        # Dictionaries nested in these values must reach the reader first.
+        for inner_id, inner, inner_path in fl.dictionaries:
+            self._dictionary_messages(inner_id, inner, inner_path, out, seen)
+        out.append(self._message(HeaderType.DictionaryBatch, len(values), fl, did, delta))
+        self._dicts[did] = dictionary
+        log.debug("dictionary id=%#x delta=%s length=%d", did, delta, len(values))
+
+    def _message(
+        self, kind: int, length: int, fl: _Flattener, dict_id: int = 0, delta: bool = False
+    ) -> EncodedMessage:
+        body: list[Any] = []
+        spans = np.zeros((len(fl.buffers), 2), np.int64)
+        pos = 0
+        comp = self.compression
+        for i, buf in enumerate(fl.buffers):
+            if buf is None:
+                spans[i, 0] = pos
+                continue
+            mv = memoryview(buf) if not isinstance(buf, memoryview) else buf
+            if mv.ndim != 1 or mv.itemsize != 1:
+                mv = mv.cast("B")
+            n = len(mv)
+            if n == 0:
+                spans[i, 0] = pos
+                continue
+            if comp is not None:
+                packed = compress_buffer(comp, mv)
+                if packed is None:
+                    body.append(_MINUS_ONE)
+                    body.append(buf)
+                    n += 8
+                else:
+                    body.append(packed)
+                    n = len(packed)
+            else:
+                body.append(buf)
+            spans[i] = (pos, n)
+            pos += n
+            pad = (-n) % ALIGNMENT
+            if pad:
+                body.append(_ZEROS[:pad])
+                pos += pad
+        nodes = np.array(fl.nodes, np.int64).reshape(-1, 2)
+        if kind == HeaderType.RecordBatch:
+            meta = encode_record_batch(length, nodes, spans, pos, comp, fl.variadic or None)
+        else:
+            meta = encode_dictionary_batch(dict_id, delta, length, nodes, spans, pos, comp, fl.variadic or None)
+        return EncodedMessage(meta, body, pos, kind)
+
