@@ -1,0 +1,422 @@
+"""Per-stream state machines: what a server sends for one stream, and what a client makes of what arrives.
+
+Both are sans-IO: :class:`ServerStream` returns the bytes and tags to send, :class:`ClientStream` takes the
+bytes that arrived and returns events. Neither touches a socket or an event loop.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple, NoReturn
+
+import numpy as np
+
+from dissoc.errors import DissocError, ProtocolError, RemoteError
+from dissoc.protocol.framing import (
+    BytesLike,
+    EndOfStream,
+    ErrorMessage,
+    MetadataMessage,
+    as_byte_view,
+    decode_stream_message,
+    encode_eos,
+    encode_error,
+    encode_metadata_header,
+)
+from dissoc.protocol.pairs import decode_pairs
+from dissoc.protocol.reorder import DEFAULT_MAX_PENDING_BYTES, DEFAULT_WINDOW, Complete, ReorderBuffer
+from dissoc.protocol.seq import check_seq, fmt_seq, next_seq
+from dissoc.protocol.tags import BODY_PACKED, BODY_PAIRS, fmt_tag, make_body_tag, parse_body_tag
+
+__all__ = [
+    "ClientEvent",
+    "ClientState",
+    "ClientStream",
+    "MessageReady",
+    "SchemaReceived",
+    "ServerMessage",
+    "ServerState",
+    "ServerStream",
+    "StreamEnded",
+    "StreamStateError",
+]
+
+_log = logging.getLogger(__name__)
+
+
+class StreamStateError(RuntimeError):
+    """A state machine was driven out of order by local code (a programming error, not bad input)."""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Server side
+# ------------------------------------------------------------------------------------------------------------
+
+
+class ServerState(enum.Enum):
+    """Life cycle of a :class:`ServerStream`."""
+
+    IDLE = "idle"
+    """Nothing sent yet; the schema comes next."""
+    STREAMING = "streaming"
+    """Schema sent; messages may follow."""
+    ENDED = "ended"
+    """End of stream sent."""
+    FAILED = "failed"
+    """Error message sent."""
+
+
+class ServerMessage(NamedTuple):
+    """What to send for one IPC message: the 5-byte ``header`` (send the flatbuffer right after it), its
+    ``seq``, and the data-stream ``tag`` for its body (``None`` when it has no body)."""
+
+    header: bytes
+    seq: int
+    tag: int | None
+
+
+class ServerStream:
+    """Sequence numbering and message framing for one stream a server sends.
+
+    ``IDLE --schema()--> STREAMING --message()*--> STREAMING --end()--> ENDED``; ``error()`` from ``IDLE`` or
+    ``STREAMING`` leads to ``FAILED``. Calls out of that order raise :class:`StreamStateError`.
+
+    :param start_seq: sequence number of the schema (0 in the protocol; other values let tests cover
+        roll-over).
+    """
+
+    def __init__(self, *, start_seq: int = 0) -> None:
+        self._next = check_seq(start_seq)
+        self._sent = 0
+        self._state = ServerState.IDLE
+
+    @property
+    def state(self) -> ServerState:
+        """The current state."""
+        return self._state
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next message will carry."""
+        return self._next
+
+    @property
+    def sent(self) -> int:
+        """How many metadata messages (schema included) have been produced."""
+        return self._sent
+
+    def _require(self, op: str, *states: ServerState) -> None:
+        if self._state not in states:
+            allowed = " or ".join(s.value for s in states)
+            raise StreamStateError(
+                f"ServerStream.{op}() needs state {allowed}, but the stream is {self._state.value}"
+            )
+
+    def _take(self) -> int:
+        seq = self._next
+        self._next = next_seq(seq)
+        self._sent += 1
+        return seq
+
+    def schema(self, metadata: BytesLike) -> bytes:
+        """The header for the Schema message (``metadata`` is its flatbuffer; send it after the header)."""
+        self._require("schema", ServerState.IDLE)
+        if len(as_byte_view(metadata)) == 0:
+            raise ValueError("schema metadata must not be empty")
+        seq = self._take()
+        self._state = ServerState.STREAMING
+        _log.debug("server: schema seq=0x%08x", seq)
+        return encode_metadata_header(seq)
+
+    def message(self, metadata: BytesLike, has_body: bool, body_type: int = BODY_PACKED) -> ServerMessage:
+        """The header, sequence number and body tag for the next message.
+
+        ``body_type`` (:data:`~dissoc.protocol.tags.BODY_PACKED` or :data:`~dissoc.protocol.tags.BODY_PAIRS`)
+        says how its body will be sent; it is ignored when ``has_body`` is false.
+        """
+        self._require("message", ServerState.STREAMING)
+        if len(as_byte_view(metadata)) == 0:
+            raise ValueError("message metadata must not be empty")
+        if has_body:
+            make_body_tag(0, body_type)  # validate before consuming a sequence number
+        seq = self._take()
+        tag = make_body_tag(seq, body_type) if has_body else None
+        if tag is None:
+            _log.debug("server: message seq=0x%08x (no body)", seq)
+        else:
+            _log.debug("server: message seq=0x%08x tag=0x%016x", seq, tag)
+        return ServerMessage(encode_metadata_header(seq), seq, tag)
+
+    def end(self) -> bytes:
+        """The end-of-stream message (it carries the next unused sequence number)."""
+        self._require("end", ServerState.STREAMING)
+        self._state = ServerState.ENDED
+        _log.debug("server: end of stream seq=%s after %d messages", fmt_seq(self._next), self._sent)
+        return encode_eos(self._next)
+
+    def error(self, code: str, message: str) -> bytes:
+        """An error message for the client (carrying the next unused sequence number); the stream is over."""
+        self._require("error", ServerState.IDLE, ServerState.STREAMING)
+        data = encode_error(self._next, code, message)
+        self._state = ServerState.FAILED
+        _log.debug("server: error seq=%s code=%r", fmt_seq(self._next), code)
+        return data
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Client side
+# ------------------------------------------------------------------------------------------------------------
+
+
+class ClientState(enum.Enum):
+    """Life cycle of a :class:`ClientStream`."""
+
+    AWAITING_SCHEMA = "awaiting schema"
+    STREAMING = "streaming"
+    ENDED = "ended"
+    """End of stream received; bodies may still be outstanding."""
+    FINISHED = "finished"
+    """End of stream received and every message released."""
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class SchemaReceived:
+    """The first message (the Schema) was released."""
+
+    seq: int
+    metadata: memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class MessageReady:
+    """A message after the schema was released, in sequence order.
+
+    ``body`` is ``None`` without a body, a :class:`~dissoc.protocol.pairs.PairList` for body type 1, and the
+    payload exactly as it was given to :meth:`ClientStream.receive_body` for body type 0.
+    """
+
+    seq: int
+    metadata: memoryview
+    body_type: int | None
+    body: object | None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnded:
+    """End of stream received and every message released; ``count`` messages in all (schema included)."""
+
+    count: int
+
+
+ClientEvent = SchemaReceived | MessageReady | StreamEnded
+"""What :class:`ClientStream` reports."""
+
+
+def _payload_nbytes(payload: object) -> int:
+    if isinstance(payload, bytes | bytearray):
+        return len(payload)
+    n = getattr(payload, "nbytes", None)
+    if isinstance(n, int) and not isinstance(n, bool):
+        return n
+    raise TypeError(f"cannot tell the size of a body of type {type(payload).__name__}; pass nbytes")
+
+
+def _host_view(payload: object) -> memoryview:
+    if isinstance(payload, memoryview):
+        return as_byte_view(payload)
+    if isinstance(payload, bytes | bytearray):
+        return as_byte_view(memoryview(payload))
+    if isinstance(payload, np.ndarray):
+        return as_byte_view(payload.data)
+    raise TypeError(f"a pair-list body must be in host memory, got {type(payload).__name__}")
+
+
+class ClientStream:
+    """Reassembles one stream on the client: raw metadata-stream messages and tagged bodies in, events out.
+
+    :param has_body: tells from a metadata flatbuffer whether the message has a body (RecordBatch and
+        DictionaryBatch do, Schema does not); supplied by the codec.
+    :param window: see :class:`~dissoc.protocol.reorder.ReorderBuffer`.
+    :param max_pending_bytes: see :class:`~dissoc.protocol.reorder.ReorderBuffer`.
+    :param start_seq: the schema's sequence number (0 in the protocol).
+
+    The first message must carry ``start_seq`` and have no body. An error message raises
+    :class:`~dissoc.errors.RemoteError`; a peer breaking the rules raises
+    :class:`~dissoc.errors.ProtocolError` (or :class:`~dissoc.errors.ResourceError` past the limits). After
+    any error the stream is failed and every further call raises :class:`~dissoc.errors.ProtocolError`.
+    """
+
+    def __init__(
+        self,
+        has_body: Callable[[memoryview], bool],
+        *,
+        window: int = DEFAULT_WINDOW,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        start_seq: int = 0,
+    ) -> None:
+        self._has_body = has_body
+        self._reorder: ReorderBuffer[memoryview, object] = ReorderBuffer(
+            window=window, max_pending_bytes=max_pending_bytes, start_seq=start_seq
+        )
+        self._state = ClientState.AWAITING_SCHEMA
+        self._got_metadata = False
+        self._schema_released = False
+        self._failure: BaseException | None = None
+
+    # -- introspection ---------------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> ClientState:
+        """The current state."""
+        return self._state
+
+    @property
+    def finished(self) -> bool:
+        """End of stream received and every message released."""
+        return self._state is ClientState.FINISHED
+
+    @property
+    def failed(self) -> bool:
+        """Whether an error ended the stream."""
+        return self._state is ClientState.FAILED
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number of the next message to release."""
+        return self._reorder.next_seq
+
+    @property
+    def released(self) -> int:
+        """How many messages have been released (schema included)."""
+        return self._reorder.released
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes held waiting for release."""
+        return self._reorder.pending_bytes
+
+    def accepts(self, seq: int) -> bool:
+        """Whether input for ``seq`` fits the reorder window now (for backpressure in drivers)."""
+        return self._reorder.accepts(seq)
+
+    def missing(self) -> list[int]:
+        """Some sequence numbers still lacking their metadata or body (see ``ReorderBuffer.missing``)."""
+        return self._reorder.missing()
+
+    # -- input -----------------------------------------------------------------------------------------------
+
+    def _check_usable(self, what: str) -> None:
+        if self._state is ClientState.FAILED:
+            raise ProtocolError(f"{what}: the stream already failed ({self._failure})")
+
+    def _fail(self, exc: BaseException) -> NoReturn:
+        self._state = ClientState.FAILED
+        self._failure = exc
+        raise exc
+
+    def receive_metadata_message(self, buf: BytesLike) -> list[ClientEvent]:
+        """Process one message from the metadata stream; return the events it caused, in order.
+
+        The returned metadata views ``buf`` (no copy); keep ``buf`` unchanged while it is in use.
+        """
+        self._check_usable("metadata-stream message")
+        try:
+            return self._on_metadata_stream(buf)
+        except Exception as exc:
+            self._fail(exc)
+
+    def receive_body(self, tag: int, payload: object, nbytes: int | None = None) -> list[ClientEvent]:
+        """Process one tagged message from the data stream; return the events it caused, in order.
+
+        ``payload`` is the body as the transport delivered it (host bytes, or device memory for packed
+        bodies); ``nbytes`` is its size, taken from ``len()``/``.nbytes`` when omitted. Pair-list bodies
+        (type 1) must be in host memory and are decoded into a :class:`~dissoc.protocol.pairs.PairList`.
+        """
+        self._check_usable(f"body with tag {fmt_tag(tag) if isinstance(tag, int) else tag!r}")
+        try:
+            return self._on_body(tag, payload, nbytes)
+        except Exception as exc:
+            self._fail(exc)
+
+    def close(self) -> None:
+        """Declare that no more input will arrive; raise :class:`~dissoc.errors.ProtocolError` unless done.
+
+        The error names what never arrived. Closing a failed stream does nothing more.
+        """
+        if self._state is ClientState.FAILED or self._state is ClientState.FINISHED:
+            return
+        try:
+            self._reorder.close()
+        except DissocError as exc:
+            self._fail(exc)
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    def _on_metadata_stream(self, buf: BytesLike) -> list[ClientEvent]:
+        msg = decode_stream_message(buf)
+        if self._reorder.ended:
+            kind = type(msg).__name__
+            raise ProtocolError(
+                f"metadata stream: expected nothing after end of stream "
+                f"(seq {fmt_seq(self._reorder.eos_seq or 0)}), got {kind} with seq {fmt_seq(msg.seq)}"
+            )
+        if isinstance(msg, MetadataMessage):
+            has_body = bool(self._has_body(msg.metadata))
+            if not self._got_metadata and has_body:
+                raise ProtocolError(
+                    f"first message (seq {fmt_seq(msg.seq)}): expected a schema without body, got metadata "
+                    "for a message with a body"
+                )
+            events = self._convert(
+                self._reorder.add_metadata(msg.seq, msg.metadata, has_body, len(msg.metadata))
+            )
+            self._got_metadata = True
+            if self._state is ClientState.AWAITING_SCHEMA:
+                self._state = ClientState.STREAMING
+            return self._maybe_finish(events)
+        if isinstance(msg, EndOfStream):
+            if not self._got_metadata:
+                raise ProtocolError(
+                    f"end of stream (seq {fmt_seq(msg.seq)}): expected the schema first, "
+                    "got no metadata at all"
+                )
+            events = self._convert(self._reorder.end(msg.seq))
+            self._state = ClientState.ENDED
+            return self._maybe_finish(events)
+        assert isinstance(msg, ErrorMessage)
+        _log.debug("client: error message seq=%s code=%r", fmt_seq(msg.seq), msg.code)
+        raise RemoteError(msg.code, msg.message)
+
+    def _on_body(self, tag: int, payload: object, nbytes: int | None) -> list[ClientEvent]:
+        seq, body_type = parse_body_tag(tag)
+        body: object
+        if body_type == BODY_PAIRS:
+            view = _host_view(payload)
+            body = decode_pairs(view)
+            size = len(view)
+        else:
+            body = payload
+            size = _payload_nbytes(payload) if nbytes is None else nbytes
+        events = self._convert(self._reorder.add_body(seq, body_type, body, size))
+        return self._maybe_finish(events)
+
+    def _convert(self, done: list[Complete[memoryview, object]]) -> list[ClientEvent]:
+        events: list[ClientEvent] = []
+        for c in done:
+            if not self._schema_released:
+                self._schema_released = True
+                events.append(SchemaReceived(c.seq, c.metadata))
+            else:
+                events.append(MessageReady(c.seq, c.metadata, c.body_type, c.body))
+        return events
+
+    def _maybe_finish(self, events: list[ClientEvent]) -> list[ClientEvent]:
+        if self._reorder.finished and self._state is not ClientState.FINISHED:
+            self._state = ClientState.FINISHED
+            events.append(StreamEnded(self._reorder.released))
+            _log.debug("client: stream finished after %d messages", self._reorder.released)
+        return events
