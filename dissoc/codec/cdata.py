@@ -136,7 +136,9 @@ def _mark_released_function() -> int:
     if machine in ("x86_64", "amd64"):
         code = bytes.fromhex("48c7474000000000c3")  # mov qword [rdi+64], 0 ; ret
     elif machine in ("aarch64", "arm64"):
-        code = (0xF900201F).to_bytes(4, "little") + (0xD65F03C0).to_bytes(4, "little")  # str xzr,[x0,#64]; ret
+        code = (0xF900201F).to_bytes(4, "little") + (0xD65F03C0).to_bytes(
+            4, "little"
+        )  # str xzr,[x0,#64]; ret
     else:
         return 0
     try:
@@ -159,7 +161,9 @@ _MARK_RELEASED = _mark_released_function()
 _ROOT_TYPE = pa.struct([])
 
 
-def import_batch(structs: npt.NDArray[np.uint64], address: int, schema: pa.Schema, keep: Keepalive) -> pa.RecordBatch:
+def import_batch(
+    structs: npt.NDArray[np.uint64], address: int, schema: pa.Schema, keep: Keepalive
+) -> pa.RecordBatch:
     """Import the tree whose root is ``structs[0]`` (an (n, 10) uint64 array at ``address``) as a batch.
 
     Fills in the release callbacks and private data of every struct, then imports; on failure pyarrow has

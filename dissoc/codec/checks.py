@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -21,12 +22,14 @@ from dissoc.errors import CodecError
 __all__ = ["check_node", "check_run_ends"]
 
 
-def _at(addr: int, count: int, dtype: str) -> npt.NDArray[np.generic]:
+def _at(addr: int, count: int, dtype: str) -> npt.NDArray[Any]:
     """``count`` elements of ``dtype`` at ``addr`` (no copy)."""
     nbytes = count * np.dtype(dtype).itemsize
     if nbytes == 0:
         return np.zeros(0, dtype)
-    return np.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype)
+    raw = (ctypes.c_char * nbytes).from_address(addr)
+    out: npt.NDArray[Any] = np.frombuffer(memoryview(raw).cast("B"), dtype)
+    return out
 
 
 def _need(what: str, have: int, need: int) -> None:
@@ -38,8 +41,9 @@ def _valid_mask(addr: int, size: int, length: int, null_count: int) -> npt.NDArr
     if null_count == 0 or addr == 0:
         return None
     _need("validity bitmap", size, (length + 7) // 8)
-    bits = np.unpackbits(_at(addr, (length + 7) // 8, "u1"), bitorder="little")[:length]
-    return bits.astype(bool)
+    bits = np.unpackbits(_at(addr, (length + 7) // 8, "u1").astype(np.uint8), bitorder="little")[:length]
+    mask: npt.NDArray[np.bool_] = bits.astype(bool)
+    return mask
 
 
 def check_node(
@@ -105,7 +109,9 @@ def check_node(
         lut[np.asarray(codes, np.int64)] = np.arange(len(codes))
         child = lut[tids.astype(np.int64) & 0xFF]
         if bool((child < 0).any()):
-            raise CodecError(f"{name}: type id {int(tids[np.flatnonzero(child < 0)[0]])} is not one of {codes}")
+            raise CodecError(
+                f"{name}: type id {int(tids[np.flatnonzero(child < 0)[0]])} is not one of {codes}"
+            )
         if lay == Layout.DENSE_UNION:
             _need(f"{name}: offsets", sizes[1], length * 4)
             offs = _at(addrs[1], length, "<i4").astype(np.int64)
@@ -130,8 +136,9 @@ def check_node(
             )
 
 
-def check_run_ends(name: str, length: int, run_ends_addr: int, run_ends_size: int, n_runs: int, width: int,
-                   n_values: int) -> None:
+def check_run_ends(
+    name: str, length: int, run_ends_addr: int, run_ends_size: int, n_runs: int, width: int, n_values: int
+) -> None:
     """Run ends must be positive, strictly increasing, and cover the parent's length."""
     if length == 0:
         return

@@ -1,4 +1,4 @@
-"""Per-buffer body compression (method BUFFER): an int64 uncompressed length, then one LZ4 frame or zstd frame.
+"""Per-buffer body compression (method BUFFER): an int64 uncompressed length, then an LZ4 or zstd frame.
 
 A length of -1 means the bytes that follow are stored uncompressed. Decompression is bounded by the length the
 metadata justifies, so a small input can never make the decoder allocate without limit.
@@ -68,7 +68,7 @@ def compress_buffer(codec: int, data: memoryview) -> bytes | None:
     if n == 0:
         return None
     if codec == 0:
-        packed = lz4.frame.compress(data, store_size=False)
+        packed: bytes = lz4.frame.compress(data, store_size=False)
     else:
         packed = zstandard.ZstdCompressor(level=1).compress(data)
     if len(packed) + 8 >= n:

@@ -78,9 +78,13 @@ def parse(metadata: object) -> ParsedMessage:
         data = h.table(1, "RecordBatch")
         if data is None:
             raise CodecError("DictionaryBatch: its RecordBatch (data) is missing")
-        return ParsedMessage(info, parse_record_batch(data), h.scalar(0, "q", 0), bool(h.scalar(2, "?", False)))
+        return ParsedMessage(
+            info, parse_record_batch(data), h.scalar(0, "q", 0), bool(h.scalar(2, "?", False))
+        )
     if info.header_type in (HeaderType.Tensor, HeaderType.SparseTensor):
-        raise CodecError(f"unsupported message type {HeaderType(info.header_type).name}: not part of IPC streams")
+        raise CodecError(
+            f"unsupported message type {HeaderType(info.header_type).name}: not part of IPC streams"
+        )
     return ParsedMessage(info)
 
 
@@ -138,8 +142,18 @@ class _Compiled:
         vn = np.flatnonzero(self.has_validity)
         self.validity_nodes = vn
         self.validity_pos = _exclusive_cumsum(self.nbuf_ipc)[vn] + 1  # in the pointer array (after root's)
-        risky = {Layout.BINARY, Layout.LARGE_BINARY, Layout.LIST, Layout.LARGE_LIST, Layout.LIST_VIEW,
-                 Layout.LARGE_LIST_VIEW, Layout.VIEW, Layout.SPARSE_UNION, Layout.DENSE_UNION, Layout.RUN_END}
+        risky = {
+            Layout.BINARY,
+            Layout.LARGE_BINARY,
+            Layout.LIST,
+            Layout.LARGE_LIST,
+            Layout.LIST_VIEW,
+            Layout.LARGE_LIST_VIEW,
+            Layout.VIEW,
+            Layout.SPARSE_UNION,
+            Layout.DENSE_UNION,
+            Layout.RUN_END,
+        }
         self.checked = [i for i, p in enumerate(flat) if p.layout in risky or p.dict_id >= 0]
 
 
@@ -234,9 +248,7 @@ class MessageDecoder:
             raise CodecError(f"DictionaryBatch: id {dict_id} is not in the schema (known ids: {known})")
         compiled = self._dict_compiled.get(dict_id)
         if compiled is None:
-            compiled = _Compiled(
-                [dinfo.value_plan], pa.schema([dinfo.value_plan.field]), self._version < 4
-            )
+            compiled = _Compiled([dinfo.value_plan], pa.schema([dinfo.value_plan.field]), self._version < 4)
             self._dict_compiled[dict_id] = compiled
         values = self._decode_batch(compiled, header, body, body_length).column(0)
         prev = self.dictionaries.get(dict_id)
@@ -265,7 +277,9 @@ class MessageDecoder:
         assert self._info is not None
         nodes = h.nodes
         if len(nodes) != c.n_nodes:
-            raise CodecError(f"RecordBatch: the schema has {c.n_nodes} field nodes, the message lists {len(nodes)}")
+            raise CodecError(
+                f"RecordBatch: the schema has {c.n_nodes} field nodes, the message lists {len(nodes)}"
+            )
         nbuf = c.nbuf_ipc
         if c.view_nodes.size:
             vc = h.variadic_counts
@@ -280,12 +294,14 @@ class MessageDecoder:
             nbuf[c.view_nodes] += vc
         elif h.variadic_counts is not None and len(h.variadic_counts):
             raise CodecError(
-                f"RecordBatch: variadicBufferCounts has {len(h.variadic_counts)} entries but the schema has no views"
+                f"RecordBatch: variadicBufferCounts has {len(h.variadic_counts)} entries, the schema no views"
             )
         buffers = h.buffers
         total = int(nbuf.sum()) if c.view_nodes.size else c.total_buffers
         if len(buffers) != total:
-            raise CodecError(f"RecordBatch: the schema needs {total} buffers, the message lists {len(buffers)}")
+            raise CodecError(
+                f"RecordBatch: the schema needs {total} buffers, the message lists {len(buffers)}"
+            )
         limit = min(body.size, body_length)
         offs = buffers[:, 0]
         lens = buffers[:, 1]
@@ -306,14 +322,24 @@ class MessageDecoder:
         else:
             addrs = offs.astype(np.uint64) + np.uint64(body.address)
             if transformed:
-                addrs, lengths = self._transform_buffers(c, h, nbuf, _exclusive_cumsum(nbuf), body, addrs, keep)
+                addrs, lengths = self._transform_buffers(
+                    c, h, nbuf, _exclusive_cumsum(nbuf), body, addrs, keep
+                )
         for _, did in c.dict_nodes:
             if did not in self.dictionaries:
-                raise CodecError(f"RecordBatch: dictionary id {did} is used before any DictionaryBatch for it")
+                raise CodecError(
+                    f"RecordBatch: dictionary id {did} is used before any DictionaryBatch for it"
+                )
         if c.checked and self.validate:
             if addrs is None:
-                self._check(c, nodes, nbuf, _exclusive_cumsum(nbuf),
-                            offs.astype(np.uint64) + np.uint64(body.address), lengths)
+                self._check(
+                    c,
+                    nodes,
+                    nbuf,
+                    _exclusive_cumsum(nbuf),
+                    offs.astype(np.uint64) + np.uint64(body.address),
+                    lengths,
+                )
             else:
                 self._check(c, nodes, nbuf, _exclusive_cumsum(nbuf), addrs, lengths)
         n = c.n_nodes
@@ -388,12 +414,27 @@ class MessageDecoder:
             if p.layout == Layout.RUN_END:
                 r, v = kids
                 k = int(first[r]) + 1
-                check_run_ends(name, length, int(addrs[k]), int(lengths[k]), int(nodes[r, 0]),
-                               c.flat[r].width, int(nodes[v, 0]))
+                check_run_ends(
+                    name,
+                    length,
+                    int(addrs[k]),
+                    int(lengths[k]),
+                    int(nodes[r, 0]),
+                    c.flat[r].width,
+                    int(nodes[v, 0]),
+                )
                 continue
             dlen = len(self.dictionaries[p.dict_id]) if p.dict_id in self.dictionaries else 0
-            check_node(p, name, length, int(nodes[i, 1]), addrs[s:e].tolist(), lengths[s:e].tolist(),
-                       [int(nodes[k, 0]) for k in kids], dlen)
+            check_node(
+                p,
+                name,
+                length,
+                int(nodes[i, 1]),
+                addrs[s:e].tolist(),
+                lengths[s:e].tolist(),
+                [int(nodes[k, 0]) for k in kids],
+                dlen,
+            )
 
     def _c_pointers(
         self,
@@ -441,7 +482,9 @@ class MessageDecoder:
                 raw = mv[off : off + n]
                 data: Any = raw
                 if h.compression is not None:
-                    data = decompress_buffer(h.compression, data, _bound(role, p, length, self.max_buffer_bytes))
+                    data = decompress_buffer(
+                        h.compression, data, _bound(role, p, length, self.max_buffer_bytes)
+                    )
                 if self._info.big_endian:
                     data = _swap(role, p, data)
                 if data is not raw:
@@ -561,4 +604,3 @@ def _as_buffer(body: object) -> pa.Buffer:
         return pa.py_buffer(body)
     except TypeError:
         raise CodecError(f"message body must be bytes-like, got {type(body).__name__}") from None
-

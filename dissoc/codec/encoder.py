@@ -59,7 +59,7 @@ def _bitmap(buf: pa.Buffer | None, offset: int, length: int) -> Any:
 
 
 def _rebased_offsets(buf: pa.Buffer, offset: int, length: int, dtype: str) -> tuple[Any, int, int]:
-    """The offsets slice for ``length`` values from ``offset``, rebased to start at 0; (buffer, first, last)."""
+    """Offsets for ``length`` values from ``offset``, rebased to start at 0: (buffer, first, last)."""
     width = np.dtype(dtype).itemsize
     if length == 0:
         return None, 0, 0
@@ -78,7 +78,7 @@ class _Flattener:
         self.nodes: list[tuple[int, int]] = []
         self.buffers: list[Any] = []
         self.variadic: list[int] = []
-        self.dictionaries: list[tuple[int, pa.Array]] = []
+        self.dictionaries: list[tuple[int, pa.Array, tuple[int, ...]]] = []
 
     def visit(self, arr: pa.Array, path: tuple[int, ...]) -> None:
         ty = arr.type
@@ -88,7 +88,7 @@ class _Flattener:
         n, off = len(arr), arr.offset
         types = pa.types
         if types.is_dictionary(ty):
-            self.dictionaries.append((self.ids.by_path[path], arr.dictionary, path))  # type: ignore[arg-type]
+            self.dictionaries.append((self.ids.by_path[path], arr.dictionary, path))
             ty = ty.index_type
         nulls = arr.null_count
         if types.is_null(ty):
@@ -120,7 +120,12 @@ class _Flattener:
             data = bufs[2:]
             self.variadic.append(len(data))
             self.buffers.extend(data)
-        elif types.is_binary(ty) or types.is_string(ty) or types.is_large_binary(ty) or types.is_large_string(ty):
+        elif (
+            types.is_binary(ty)
+            or types.is_string(ty)
+            or types.is_large_binary(ty)
+            or types.is_large_string(ty)
+        ):
             dtype = "<i8" if types.is_large_binary(ty) or types.is_large_string(ty) else "<i4"
             offsets, first, last = _rebased_offsets(bufs[1], off, n, dtype)
             add(validity)
@@ -286,6 +291,7 @@ class MessageEncoder:
         if kind == HeaderType.RecordBatch:
             meta = encode_record_batch(length, nodes, spans, pos, comp, fl.variadic or None)
         else:
-            meta = encode_dictionary_batch(dict_id, delta, length, nodes, spans, pos, comp, fl.variadic or None)
+            meta = encode_dictionary_batch(
+                dict_id, delta, length, nodes, spans, pos, comp, fl.variadic or None
+            )
         return EncodedMessage(meta, body, pos, kind)
-

@@ -74,7 +74,7 @@ class Table:
         off = _u16(self._buf, self._vt + o)[0]
         if off == 0:
             return 0
-        p = self._pos + off
+        p: int = self._pos + off
         if p + size > self._n:
             raise CodecError(f"{self.what}: field {fid} at {p} runs past the {self._n}-byte flatbuffer")
         return p
@@ -98,7 +98,7 @@ class Table:
 
     def has(self, fid: int) -> bool:
         o = 4 + 2 * fid
-        return o < self._vtsize and _u16(self._buf, self._vt + o)[0] != 0
+        return o < self._vtsize and int(_u16(self._buf, self._vt + o)[0]) != 0
 
     def scalar(self, fid: int, fmt: str, default: int | bool) -> int:
         s = _SCALARS[fmt]
@@ -111,9 +111,11 @@ class Table:
         p = self._field(fid, 4)
         if p == 0:
             return 0
-        target = p + _u32(self._buf, p)[0]
+        target: int = p + _u32(self._buf, p)[0]
         if target + 4 > self._n:
-            raise CodecError(f"{self.what}: field {fid} points to {target}, past the {self._n}-byte flatbuffer")
+            raise CodecError(
+                f"{self.what}: field {fid} points to {target}, past the {self._n}-byte flatbuffer"
+            )
         return target
 
     def table(self, fid: int, what: str | None = None) -> Table | None:

@@ -140,7 +140,7 @@ class _Messages:
         readinto = getattr(self.file, "readinto", None)
         while got < blen:
             if readinto is not None:
-                k = readinto(memoryview(body)[got:])
+                k = readinto(body[got:].data)
             else:
                 chunk = self._read(min(blen - got, 1 << 24))
                 k = len(chunk)
@@ -207,7 +207,9 @@ class StreamReader:
             raise CodecError("stream: ended before its Schema message")
         msg, _, _ = first
         if msg.header_type != HeaderType.Schema:
-            raise CodecError(f"stream: the first message must be a Schema, got {HeaderType(msg.header_type).name}")
+            raise CodecError(
+                f"stream: the first message must be a Schema, got {HeaderType(msg.header_type).name}"
+            )
         self._decoder.decode_parsed(msg)
         self._done = False
 
@@ -270,7 +272,9 @@ class FileReader:
         view = memoryview(buf)
         n = len(view)
         if n < 8 + 6 + 4 + 6 or bytes(view[:6]) != MAGIC or bytes(view[n - 6 :]) != MAGIC:
-            raise CodecError(f"file: expected {MAGIC!r} at both ends of a file of at least 24 bytes ({n} bytes)")
+            raise CodecError(
+                f"file: expected {MAGIC!r} at both ends of a file of at least 24 bytes ({n} bytes)"
+            )
         footer_len = _I32.unpack_from(view, n - 10)[0]
         if footer_len <= 0 or footer_len > n - 18:
             raise CodecError(f"file: footer length {footer_len} does not fit in a {n}-byte file")
@@ -297,7 +301,9 @@ class FileReader:
     def num_record_batches(self) -> int:
         return len(self._batch_blocks)
 
-    def _message(self, block: np.ndarray[Any, np.dtype[np.int64]], what: str) -> tuple[ParsedMessage, pa.Buffer]:
+    def _message(
+        self, block: np.ndarray[Any, np.dtype[np.int64]], what: str
+    ) -> tuple[ParsedMessage, pa.Buffer]:
         off, meta_len, body_len = (int(x) for x in block)
         if off < 8 or meta_len < 8 or body_len < 0 or off + meta_len + body_len > self._limit:
             raise CodecError(
@@ -321,7 +327,9 @@ class FileReader:
         for i, block in enumerate(self._dict_blocks):
             msg, body = self._message(block, f"dictionary {i}")
             if msg.header_type != HeaderType.DictionaryBatch:
-                raise CodecError(f"file: dictionary block {i} holds a {HeaderType(msg.header_type).name} message")
+                raise CodecError(
+                    f"file: dictionary block {i} holds a {HeaderType(msg.header_type).name} message"
+                )
             self._decoder.decode_parsed(msg, body)
         self._dicts_loaded = True
 
@@ -333,7 +341,9 @@ class FileReader:
         self._load_dictionaries()
         msg, body = self._message(self._batch_blocks[i], f"record batch {i}")
         if msg.header_type != HeaderType.RecordBatch:
-            raise CodecError(f"file: record batch block {i} holds a {HeaderType(msg.header_type).name} message")
+            raise CodecError(
+                f"file: record batch block {i} holds a {HeaderType(msg.header_type).name} message"
+            )
         batch = self._decoder.decode_parsed(msg, body)
         assert batch is not None
         return batch
@@ -382,7 +392,12 @@ class StreamWriter:
     _allow_replacement = True
 
     def __init__(
-        self, sink: Any, schema: pa.Schema, *, compression: str | None = None, emit_dictionary_deltas: bool = False
+        self,
+        sink: Any,
+        schema: pa.Schema,
+        *,
+        compression: str | None = None,
+        emit_dictionary_deltas: bool = False,
     ) -> None:
         self._encoder = MessageEncoder(
             schema,
@@ -510,4 +525,3 @@ def new_file(
 ) -> FileWriter:
     """Start writing an IPC file to ``sink`` (a path or binary file object)."""
     return FileWriter(sink, schema, compression=compression, emit_dictionary_deltas=emit_dictionary_deltas)
-

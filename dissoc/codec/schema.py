@@ -1,7 +1,7 @@
 """Schema and Field flatbuffers <-> ``pyarrow.Schema``, and the per-field layout plans the body codec uses.
 
-A *plan* (:class:`FieldPlan`) is the schema compiled once into what decoding and encoding a body needs: for every
-field node, in the IPC's depth-first order, its layout (which buffers, of which widths) and its children.
+A *plan* (:class:`FieldPlan`) is the schema compiled once into what decoding and encoding a body needs: for
+every field node, in the IPC's depth-first order, its layout (which buffers, of which widths), its children.
 Dictionary-encoded fields carry the index layout; the dictionary's own value layout is a separate plan kept in
 :class:`DictionaryInfo`, because its data arrives in DictionaryBatch messages.
 """
@@ -259,7 +259,9 @@ class _SchemaDecoder:
             if index_table is None:
                 index_type = pa.int32()
             else:
-                index_type = _int_type(index_table.scalar(0, "i", 0), bool(index_table.scalar(1, "?", False)), where)
+                index_type = _int_type(
+                    index_table.scalar(0, "i", 0), bool(index_table.scalar(1, "?", False)), where
+                )
             ordered = bool(dict_table.scalar(2, "?", False))
             info = DictionaryInfo(dict_id, value_plan, index_type, ordered)
             prev = self.dictionaries.get(dict_id)
@@ -291,8 +293,17 @@ class _SchemaDecoder:
         def scalar(fid: int, fmt: str, default: int) -> int:
             return default if tt is None else tt.scalar(fid, fmt, default)
 
-        if tid not in (T.Struct, T.Union, T.List, T.LargeList, T.FixedSizeList, T.Map, T.RunEndEncoded,
-                       T.ListView, T.LargeListView):
+        if tid not in (
+            T.Struct,
+            T.Union,
+            T.List,
+            T.LargeList,
+            T.FixedSizeList,
+            T.Map,
+            T.RunEndEncoded,
+            T.ListView,
+            T.LargeListView,
+        ):
             need(0)
         try:
             return self._type_inner(tid, tt, children, where, need, scalar)
@@ -301,8 +312,9 @@ class _SchemaDecoder:
                 raise
             raise CodecError(f"{where}: invalid {_type_name(tid)} type: {e}") from None
 
-    def _type_inner(self, tid: int, tt: Table | None, children: list[FieldPlan], where: str,
-                    need: Any, scalar: Any) -> tuple[pa.DataType, Layout, int, int]:
+    def _type_inner(
+        self, tid: int, tt: Table | None, children: list[FieldPlan], where: str, need: Any, scalar: Any
+    ) -> tuple[pa.DataType, Layout, int, int]:
         if tid == T.Null:
             return pa.null(), Layout.NULL, 0, 0
         if tid == T.Int:
@@ -396,7 +408,9 @@ class _SchemaDecoder:
             need(1)
             entries = children[0]
             if entries.layout != Layout.STRUCT or len(entries.children) != 2:
-                raise CodecError(f"{where}: Map's child must be a struct of two fields, got {entries.field.type}")
+                raise CodecError(
+                    f"{where}: Map's child must be a struct of two fields, got {entries.field.type}"
+                )
             if entries.field.nullable:
                 raise CodecError(f"{where}: Map's entries field must not be nullable")
             key, item = entries.children
@@ -413,9 +427,7 @@ class _SchemaDecoder:
             if mode not in (0, 1):
                 raise CodecError(f"{where}: Union mode must be 0 (Sparse) or 1 (Dense), got {mode}")
             raw = tt.vector_bytes(1, 4) if tt is not None else None
-            codes = (
-                list(memoryview(raw).cast("i")) if raw is not None else list(range(len(children)))
-            )
+            codes = list(memoryview(raw).cast("i")) if raw is not None else list(range(len(children)))
             if len(codes) != len(children):
                 raise CodecError(f"{where}: Union has {len(children)} children but {len(codes)} typeIds")
             if any(c < 0 or c > 127 for c in codes) or len(set(codes)) != len(codes):
@@ -443,7 +455,7 @@ def _type_name(tid: int) -> str:
 def _resolve_extension(
     name: str, storage: pa.DataType, nullable: bool, meta: dict[bytes, bytes]
 ) -> tuple[pa.DataType | None, dict[bytes, bytes] | None]:
-    """Turn storage + ``ARROW:extension:*`` metadata into a registered extension type, as pyarrow's reader does.
+    """Storage type + ``ARROW:extension:*`` metadata -> a registered extension type, as pyarrow's reader does.
 
     Unregistered extensions stay as their storage type with the metadata kept on the field.
     """
@@ -563,7 +575,9 @@ class _SchemaEncoder:
         dict_off = None
         if dict_enc is not None:
             did, index_type, ordered = dict_enc
-            idx = _simple_table(b, [("i", 0, index_type.bit_width), ("?", 1, pa.types.is_signed_integer(index_type))])
+            idx = _simple_table(
+                b, [("i", 0, index_type.bit_width), ("?", 1, pa.types.is_signed_integer(index_type))]
+            )
             b.StartObject(4)
             b.PrependInt64Slot(0, did, -1)
             b.PrependUOffsetTRelativeSlot(1, idx, 0)
@@ -612,7 +626,9 @@ class _SchemaEncoder:
         if types.is_fixed_size_binary(ty) and not types.is_decimal(ty):
             return T.FixedSizeBinary, _simple_table(b, [("i", 0, ty.byte_width)])
         if types.is_decimal(ty):
-            return T.Decimal, _simple_table(b, [("i", 0, ty.precision), ("i", 1, ty.scale), ("i", 2, ty.bit_width)])
+            return T.Decimal, _simple_table(
+                b, [("i", 0, ty.precision), ("i", 1, ty.scale), ("i", 2, ty.bit_width)]
+            )
         if types.is_date32(ty):
             return T.Date, _simple_table(b, [("h", 0, 0)])
         if types.is_date64(ty):
