@@ -48,6 +48,9 @@ def _dummy_type(m: int) -> pa.DataType:
 
 
 _HOLDER_TARGET = pa.allocate_buffer(8)
+# Where empty buffers point: Arrow computes sizes from lengths and may read one offset of an empty array.
+_ZERO = pa.py_buffer(bytes(64))
+ZERO_ADDRESS: int = _ZERO.address
 _HOLDER_ADDRESS = _HOLDER_TARGET.address
 
 
@@ -146,6 +149,9 @@ def _mark_released_function() -> int:
     except (OSError, ValueError):
         return 0
     page.write(code)
+    # Never unmapped: batches may be released during interpreter shutdown, after this module's globals are
+    # gone, and their release must still find the code. One extra reference keeps the mapping for good.
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(page))
     _keep_page.append(page)
     addr: int = ctypes.addressof(ctypes.c_char.from_buffer(page))
     # Prove it works on a scratch struct before trusting it.

@@ -1,0 +1,418 @@
+"""The Dissociated IPC client: ask for a ticket, receive both streams concurrently, yield batches in order.
+
+    table = dissoc.fetch("tcp://127.0.0.1:9000?want_data=1465007700", "trips")
+
+    async for batch in dissoc.client.stream_batches(uri, "trips", data_uri=data_uri):
+        ...
+
+Metadata and bodies are matched by sequence number in :class:`dissoc.protocol.ClientStream`; each batch is
+decoded over the memory its body was received into (no copy) as soon as it and everything before it are
+complete. Memory is bounded: no more than ``max_in_flight_bytes`` of received bodies wait for the consumer,
+and the transport stops reading from the socket beyond its own budget, so a slow consumer slows the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pyarrow as pa
+
+from dissoc.codec import MessageDecoder, has_body, parse
+from dissoc.errors import DissocError, ProtocolError, RemoteError, TransportError
+from dissoc.protocol import (
+    BODY_PACKED,
+    ClientStream,
+    MessageReady,
+    SchemaReceived,
+    StreamEnded,
+    decode_stream_message,
+    fmt_seq,
+)
+from dissoc.protocol.framing import ErrorMessage
+from dissoc.transport import Connection, connect
+from dissoc.uri import DissocURI
+
+__all__ = ["ClientOptions", "FetchStats", "StreamReader", "fetch", "fetch_async", "open_stream", "stream_batches"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class ClientOptions:
+    """Client limits.
+
+    ``timeout``: seconds to connect, and the longest silence tolerated while a stream is incomplete.
+    ``max_in_flight_bytes``: received body bytes waiting for the consumer before reading pauses.
+    ``max_buffered_bytes``: the transport's own read-ahead budget per connection.
+    ``window``: how many sequence numbers metadata or bodies may run ahead of the next batch to release.
+    """
+
+    timeout: float = 30.0
+    max_in_flight_bytes: int = 256 << 20
+    max_buffered_bytes: int = 64 << 20
+    window: int = 4096
+    validate: bool = True
+
+
+@dataclass(slots=True)
+class FetchStats:
+    """What one stream carried."""
+
+    batches: int = 0
+    rows: int = 0
+    bytes: int = 0
+
+
+def _ticket_bytes(ticket: str | bytes) -> bytes:
+    return ticket.encode() if isinstance(ticket, str) else bytes(ticket)
+
+
+def _as_uri(uri: str | DissocURI) -> DissocURI:
+    return uri if isinstance(uri, DissocURI) else DissocURI.parse(uri)
+
+
+class _Session:
+    """One stream's state on the client: connections, the sans-IO stream, the decoder, flow control."""
+
+    def __init__(self, meta_uri: DissocURI, data_uri: DissocURI, ticket: bytes, options: ClientOptions) -> None:
+        self.meta_uri = meta_uri
+        self.data_uri = data_uri
+        self.split = (meta_uri.scheme, meta_uri.host, meta_uri.port) != (
+            data_uri.scheme,
+            data_uri.host,
+            data_uri.port,
+        )
+        self.ticket = ticket
+        self.options = options
+        self.stream = ClientStream(has_body, window=options.window, max_pending_bytes=1 << 62)
+        self.decoder = MessageDecoder(validate=options.validate)
+        self.ready: asyncio.Queue[MessageReady | SchemaReceived | StreamEnded | BaseException] = asyncio.Queue()
+        self.in_flight = 0
+        self.flow = asyncio.Event()  # set whenever in-flight bytes drop or batches are released
+        self.flow.set()
+        self.conns: list[Connection] = []
+        self.tasks: list[asyncio.Task[None]] = []
+        self.stats = FetchStats()
+
+    async def _connect(self, uri: DissocURI) -> Connection:
+        try:
+            return await asyncio.wait_for(
+                connect(uri.scheme, uri.host, uri.port, max_buffered_bytes=self.options.max_buffered_bytes),
+                self.options.timeout,
+            )
+        except TimeoutError:
+            raise TransportError(
+                f"connecting to {uri.host}:{uri.port}: no answer within {self.options.timeout} s"
+            ) from None
+        except OSError as e:
+            raise TransportError(f"connecting to {uri.host}:{uri.port} failed: {e}") from None
+
+    async def start(self) -> None:
+        meta = await self._connect(self.meta_uri)
+        self.conns.append(meta)
+        data = meta
+        if self.split:
+            data = await self._connect(self.data_uri)
+            self.conns.append(data)
+        await meta.send_tagged(self.meta_uri.want_data, self.ticket)
+        if self.split:
+            await data.send_tagged(self.data_uri.want_data, self.ticket)
+        loop = asyncio.get_running_loop()
+        self.tasks.append(loop.create_task(self._guard(self._read_metadata(meta))))
+        self.tasks.append(loop.create_task(self._guard(self._read_bodies(data))))
+        if self.split:
+            self.tasks.append(loop.create_task(self._guard(self._read_data_errors(data))))
+
+    async def _guard(self, coro: Any) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # handed to the consumer, which raises it
+            self.ready.put_nowait(e)
+
+    async def _recv(self, what: str, op: Callable[[], Any]) -> Any:
+        try:
+            return await asyncio.wait_for(op(), self.options.timeout)
+        except TimeoutError:
+            raise TransportError(
+                f"waiting for {what}: nothing arrived within {self.options.timeout} s "
+                f"(next batch {fmt_seq(self.stream.next_seq)})"
+            ) from None
+
+    def _publish(self, events: list[Any]) -> None:
+        for ev in events:
+            self.ready.put_nowait(ev)
+        if events:
+            self.flow.set()
+
+    async def _wait_window(self, seq: int) -> None:
+        while not self.stream.accepts(seq):
+            self.flow.clear()
+            await self.flow.wait()
+
+    async def _read_metadata(self, conn: Connection) -> None:
+        while True:
+            buf = await self._recv("metadata", conn.recv)
+            kind = buf[0] if len(buf) else -1
+            if kind == 1 and len(buf) >= 5:
+                await self._wait_window(int.from_bytes(bytes(buf[1:5]), "little"))
+            self._publish(self.stream.receive_metadata_message(buf))
+            if kind == 0:  # end of stream: the server keeps the connection for the next request
+                return
+
+    async def _read_bodies(self, conn: Connection) -> None:
+        while not self.stream.finished:
+            while self.in_flight >= self.options.max_in_flight_bytes:
+                self.flow.clear()
+                await self.flow.wait()
+            msg = await self._recv("a body", lambda: conn.recv_tagged(0, 0))
+            seq = msg.tag & 0xFFFFFFFF
+            await self._wait_window(seq)
+            n = msg.view().nbytes
+            self.in_flight += n
+            self._publish(self.stream.receive_body(msg.tag, msg.payload, n))
+
+    async def _read_data_errors(self, conn: Connection) -> None:
+        """Split layout: the data server reports a failure as an untagged error message."""
+        while True:
+            buf = await conn.recv()
+            msg = decode_stream_message(buf)
+            if isinstance(msg, ErrorMessage):
+                raise RemoteError(msg.code, msg.message)
+            raise ProtocolError(f"data stream: expected only tagged bodies, got an untagged {type(msg).__name__}")
+
+    def decode(self, ev: MessageReady | SchemaReceived) -> pa.RecordBatch | None:
+        if isinstance(ev, SchemaReceived):
+            return self.decoder.decode(ev.metadata)
+        if ev.body_type != BODY_PACKED:
+            raise ProtocolError(
+                f"message {fmt_seq(ev.seq)}: body type {ev.body_type} (address/length pairs) needs a memory "
+                "kind this client was not given"
+            )
+        body = ev.body
+        n = memoryview(body).nbytes if body is not None else 0  # type: ignore[arg-type]
+        self.in_flight -= n
+        self.flow.set()
+        batch = self.decoder.decode_parsed(parse(ev.metadata), body)
+        if batch is not None:
+            self.stats.batches += 1
+            self.stats.rows += batch.num_rows
+            self.stats.bytes += n
+        return batch
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        for t in self.tasks:
+            try:
+                await t
+            except BaseException:  # noqa: S110 - cancelled or already reported
+                pass
+        for c in self.conns:
+            try:
+                await c.close()
+            except DissocError:
+                pass
+
+
+async def stream_batches(
+    uri: str | DissocURI,
+    ticket: str | bytes,
+    *,
+    data_uri: str | DissocURI | None = None,
+    options: ClientOptions | None = None,
+    stats: FetchStats | None = None,
+    on_schema: Callable[[pa.Schema], None] | None = None,
+) -> AsyncIterator[pa.RecordBatch]:
+    """Yield the stream's batches in sequence order, each as soon as it is complete."""
+    opts = options or ClientOptions()
+    meta = _as_uri(uri)
+    data = _as_uri(data_uri) if data_uri is not None else meta
+    session = _Session(meta, data, _ticket_bytes(ticket), opts)
+    try:
+        await session.start()
+        while True:
+            ev = await session.ready.get()
+            if isinstance(ev, BaseException):
+                raise ev
+            if isinstance(ev, StreamEnded):
+                return
+            batch = session.decode(ev)
+            if isinstance(ev, SchemaReceived) and on_schema is not None and session.decoder.schema is not None:
+                on_schema(session.decoder.schema)
+            if batch is not None:
+                yield batch
+    finally:
+        if stats is not None:
+            stats.batches, stats.rows, stats.bytes = (
+                session.stats.batches,
+                session.stats.rows,
+                session.stats.bytes,
+            )
+        await session.close()
+
+
+async def fetch_async(
+    uri: str | DissocURI,
+    ticket: str | bytes,
+    *,
+    data_uri: str | DissocURI | None = None,
+    options: ClientOptions | None = None,
+) -> pa.Table:
+    """Fetch a whole stream as a ``pa.Table``."""
+    schema: list[pa.Schema] = []
+    batches = [
+        b async for b in stream_batches(uri, ticket, data_uri=data_uri, options=options, on_schema=schema.append)
+    ]
+    return pa.Table.from_batches(batches, schema=schema[0] if schema else None)
+
+
+def _run(coro_factory: Callable[[], Any]) -> Any:
+    """Run a coroutine to completion from synchronous code, even when this thread already runs a loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro_factory())
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(asyncio.run(coro_factory()))
+        except BaseException as e:
+            error.append(e)
+
+    t = threading.Thread(target=target, name="dissoc-fetch")
+    t.start()
+    t.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def fetch(
+    uri: str | DissocURI,
+    ticket: str | bytes,
+    *,
+    data_uri: str | DissocURI | None = None,
+    options: ClientOptions | None = None,
+) -> pa.Table:
+    """Fetch a whole stream as a ``pa.Table`` (synchronous). ``uri`` may also be a Flight ``grpc://`` location."""
+    if isinstance(uri, str) and uri.startswith(("grpc://", "grpc+tcp://")):
+        from dissoc.flight import resolve  # the Flight control plane (optional)
+
+        uri, data_uri = resolve(uri, ticket)
+    return _run(lambda: fetch_async(uri, ticket, data_uri=data_uri, options=options))  # type: ignore[no-any-return]
+
+
+class StreamReader:
+    """A synchronous reader over a dissoc stream, like ``pyarrow.RecordBatchReader``.
+
+    Runs the client's event loop in a background thread and hands batches over through a bounded queue.
+    """
+
+    def __init__(
+        self,
+        uri: str | DissocURI,
+        ticket: str | bytes,
+        *,
+        data_uri: str | DissocURI | None = None,
+        options: ClientOptions | None = None,
+    ) -> None:
+        import queue
+
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=8)
+        self._schema_ready = threading.Event()
+        self._schema: pa.Schema | None = None
+        self._done = object()
+        self._stop = threading.Event()
+        self.stats = FetchStats()
+
+        def on_schema(s: pa.Schema) -> None:
+            self._schema = s
+            self._schema_ready.set()
+
+        async def pump() -> None:
+            async for b in stream_batches(
+                uri, ticket, data_uri=data_uri, options=options, stats=self.stats, on_schema=on_schema
+            ):
+                while True:
+                    if self._stop.is_set():
+                        return
+                    try:
+                        self._queue.put_nowait(b)
+                        break
+                    except queue.Full:
+                        await asyncio.sleep(0.001)
+
+        def target() -> None:
+            try:
+                asyncio.run(pump())
+                self._queue.put(self._done)
+            except BaseException as e:
+                self._queue.put(e)
+            finally:
+                self._schema_ready.set()
+
+        self._thread = threading.Thread(target=target, name="dissoc-reader", daemon=True)
+        self._thread.start()
+
+    @property
+    def schema(self) -> pa.Schema:
+        self._schema_ready.wait()
+        if self._schema is None:
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            raise ProtocolError("stream ended before its schema")
+        return self._schema
+
+    def read_next_batch(self) -> pa.RecordBatch:
+        item = self._queue.get()
+        if item is self._done:
+            self._queue.put(item)
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._queue.put(item)
+            raise item
+        assert isinstance(item, pa.RecordBatch)
+        return item
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        while True:
+            try:
+                yield self.read_next_batch()
+            except StopIteration:
+                return
+
+    def read_all(self) -> pa.Table:
+        batches = list(self)
+        return pa.Table.from_batches(batches, schema=self.schema)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def __enter__(self) -> StreamReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_stream(
+    uri: str | DissocURI,
+    ticket: str | bytes,
+    *,
+    data_uri: str | DissocURI | None = None,
+    options: ClientOptions | None = None,
+) -> StreamReader:
+    """Open a dissoc stream for synchronous iteration (``pyarrow.ipc.open_stream``'s counterpart)."""
+    return StreamReader(uri, ticket, data_uri=data_uri, options=options)

@@ -1,0 +1,111 @@
+"""``dissoc.Server``: serve named datasets over Dissociated IPC, combined or split, as an async context manager.
+
+    async with dissoc.Server({"trips": table}) as server:
+        print(server.uri)              # tcp://127.0.0.1:PORT?want_data=...
+        await server.serve_forever()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import TracebackType
+from typing import Any, Self
+
+from dissoc.data_server import DataServer
+from dissoc.datasets import Catalog, Dataset
+from dissoc.metadata_server import CombinedServer, MetadataServer
+from dissoc.serving import RoleServer, ServeOptions
+from dissoc.uri import DissocURI
+
+__all__ = ["DEFAULT_FREE_DATA", "DEFAULT_WANT_DATA", "Server"]
+
+log = logging.getLogger(__name__)
+
+#: The want_data and free_data tag values a server advertises unless told otherwise ("WANT", "FREE").
+DEFAULT_WANT_DATA = 0x57414E54
+DEFAULT_FREE_DATA = 0x46524545
+
+
+class Server:
+    """Serves datasets by ticket (the dataset's name).
+
+    ``datasets`` maps names to anything :func:`dissoc.datasets.dataset_from` accepts (a ``pa.Table``, a
+    ``RecordBatchReader`` factory, an Arrow IPC or Parquet path). With ``split=True`` the metadata and data
+    streams come from two servers on two ports (``uri`` and ``data_uri``); otherwise one server carries both.
+    """
+
+    def __init__(
+        self,
+        datasets: dict[str, Any] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        transport: str = "tcp",
+        split: bool = False,
+        data_port: int = 0,
+        want_data: int = DEFAULT_WANT_DATA,
+        free_data: int | None = None,
+        compression: str | None = None,
+        **transport_options: Any,
+    ) -> None:
+        self.catalog = Catalog()
+        for name, obj in (datasets or {}).items():
+            self.catalog.add(name, obj)
+        options = ServeOptions(want_data=want_data, free_data=free_data, compression=compression)
+        self.split = split
+        self._servers: list[RoleServer]
+        if split:
+            self._servers = [
+                MetadataServer(self.catalog, options, transport=transport, host=host, port=port, **transport_options),
+                DataServer(self.catalog, options, transport=transport, host=host, port=data_port, **transport_options),
+            ]
+        else:
+            self._servers = [
+                CombinedServer(self.catalog, options, transport=transport, host=host, port=port, **transport_options)
+            ]
+        self._closed = asyncio.Event()
+
+    def add(self, name: str, obj: Any, *, replace: bool = False) -> Dataset:
+        """Serve another dataset (at once, to new requests)."""
+        return self.catalog.add(name, obj, replace=replace)
+
+    def remove(self, name: str) -> Dataset:
+        """Stop serving a dataset to new requests (streams already running finish)."""
+        return self.catalog.remove(name)
+
+    async def start(self) -> Self:
+        for s in self._servers:
+            await s.start()
+        return self
+
+    @property
+    def uri(self) -> str:
+        """The metadata URI (also the data URI of a combined server)."""
+        return str(self._servers[0].uri())
+
+    @property
+    def data_uri(self) -> str:
+        """The data URI (equal to :attr:`uri` unless split)."""
+        return str(self._servers[-1].uri())
+
+    @property
+    def uris(self) -> tuple[DissocURI, DissocURI]:
+        return self._servers[0].uri(), self._servers[-1].uri()
+
+    async def serve_forever(self) -> None:
+        """Serve until :meth:`close` is called (or the task is cancelled)."""
+        await self._closed.wait()
+
+    async def close(self) -> None:
+        for s in self._servers:
+            await s.close()
+        self._closed.set()
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()

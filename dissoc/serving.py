@@ -1,0 +1,182 @@
+"""What every dissoc server does with one want_data request: encode the dataset and send its streams.
+
+The metadata server sends the metadata stream, the data server the data stream, and a combined server both
+over one connection. Encoding is deterministic, so a metadata server and a data server serving the same
+ticket independently number the same messages the same way: that is what lets the client join them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from dissoc.codec import MessageEncoder
+from dissoc.datasets import Catalog, Dataset, IpcFileDataset, TableDataset
+from dissoc.errors import DissocError, TransportError
+from dissoc.protocol import ServerStream, encode_error, fmt_seq, fmt_tag
+from dissoc.transport import Connection, Listener, serve
+from dissoc.uri import DissocURI
+
+__all__ = ["Role", "RoleServer", "ServeOptions", "serve_connection", "stream_dataset"]
+
+log = logging.getLogger(__name__)
+
+
+class Role(enum.Enum):
+    """Which streams a connection carries."""
+
+    METADATA = "metadata"
+    DATA = "data"
+    COMBINED = "combined"
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """Per-server settings shared by its connections."""
+
+    want_data: int
+    free_data: int | None = None
+    compression: str | None = None
+
+
+async def _batches(dataset: Dataset) -> AsyncIterator[pa.RecordBatch]:
+    """The dataset's batches. In-memory and memory-mapped ones are read on the event loop; the others
+    (Parquet, generated, user factories) in a worker thread, so that one slow read stalls no other client."""
+    iterator: Iterator[pa.RecordBatch] = dataset.open()
+    inline = isinstance(dataset, (TableDataset, IpcFileDataset))
+    sentinel = object()
+    try:
+        while True:
+            if inline:
+                batch = next(iterator, sentinel)
+            else:
+                batch = await asyncio.to_thread(next, iterator, sentinel)
+            if batch is sentinel:
+                return
+            assert isinstance(batch, pa.RecordBatch)
+            yield batch
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()
+
+
+async def stream_dataset(conn: Connection, role: Role, dataset: Dataset, options: ServeOptions) -> int:
+    """Send the stream(s) of ``role`` for ``dataset``; returns the number of messages sent."""
+    stream = ServerStream()
+    meta = role is not Role.DATA
+    data = role is not Role.METADATA
+    encoder = MessageEncoder(dataset.schema, compression=options.compression)
+    try:
+        schema_msg = encoder.schema_message()
+        header = stream.schema(schema_msg.metadata)
+        if meta:
+            await conn.send([header, schema_msg.metadata])
+        async for batch in _batches(dataset):
+            for m in encoder.encode(batch):
+                sent = stream.message(m.metadata, True)
+                if meta:
+                    await conn.send([sent.header, m.metadata])
+                if data:
+                    assert sent.tag is not None
+                    await conn.send_tagged(sent.tag, m.body_buffers)
+        count = stream.next_seq
+        if meta:
+            await conn.send(stream.end())
+        log.debug("%s stream of %r done: %s messages", role.value, dataset.name, fmt_seq(count))
+        return count
+    except TransportError:
+        raise
+    except (DissocError, pa.ArrowException, OSError, ValueError) as e:
+        # The dataset or its encoding failed: tell the client on the stream, which then ends.
+        log.warning("%s stream of %r failed: %s", role.value, dataset.name, e)
+        await conn.send(_error(stream, "stream_failed", f"serving {dataset.name!r} failed: {e}"))
+        return stream.next_seq
+
+
+def _error(stream: ServerStream, code: str, message: str) -> bytes:
+    try:
+        return stream.error(code, message)
+    except RuntimeError:  # the stream already ended or failed: number the error after what was sent
+        return encode_error(stream.next_seq, code, message)
+
+
+async def serve_connection(conn: Connection, role: Role, catalog: Catalog, options: ServeOptions) -> None:
+    """One connection's life: wait for want_data, answer with the stream, wait again, until the peer leaves."""
+    while True:
+        try:
+            request = await conn.recv_tagged(options.want_data)
+        except TransportError:
+            return
+        ticket = bytes(request.view())
+        log.debug("want_data tag=%s ticket=%r on %s", fmt_tag(request.tag), ticket[:64], conn.description)
+        try:
+            dataset = catalog.get(ticket)
+        except DissocError as e:
+            await conn.send(encode_error(0, "unknown_ticket", str(e)))
+            continue
+        await stream_dataset(conn, role, dataset, options)
+
+
+class RoleServer:
+    """A listener whose connections carry the streams of one role (base of the metadata and data servers)."""
+
+    role: Role = Role.COMBINED
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        options: ServeOptions,
+        *,
+        transport: str = "tcp",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        **transport_options: object,
+    ) -> None:
+        self.catalog = catalog
+        self.options = options
+        self.transport = transport
+        self._host = host
+        self._port = port
+        self._transport_options = transport_options
+        self._listener: Listener | None = None
+
+    async def start(self) -> None:
+        if self._listener is None:
+            self._listener = await serve(
+                self.transport, self._host, self._port, self._handle, **self._transport_options
+            )
+            log.info("%s server listening on %s:%d", self.role.value, self.host, self.port)
+
+    async def _handle(self, conn: Connection) -> None:
+        await serve_connection(conn, self.role, self.catalog, self.options)
+
+    @property
+    def host(self) -> str:
+        return self._listener.host if self._listener is not None else self._host
+
+    @property
+    def port(self) -> int:
+        return self._listener.port if self._listener is not None else self._port
+
+    def uri(self, **params: str) -> DissocURI:
+        """The URI clients use to reach this server."""
+        return DissocURI(
+            self.transport,
+            self.host,
+            self.port,
+            self.options.want_data,
+            self.options.free_data,
+            params=params,
+        )
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            listener.close()
+            await listener.wait_closed()
