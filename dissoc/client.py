@@ -305,11 +305,7 @@ def fetch(
     data_uri: str | DissocURI | None = None,
     options: ClientOptions | None = None,
 ) -> pa.Table:
-    """Fetch a whole stream as a ``pa.Table`` (synchronous). ``uri`` may also be a Flight ``grpc://`` location."""
-    if isinstance(uri, str) and uri.startswith(("grpc://", "grpc+tcp://")):
-        from dissoc.flight import resolve  # the Flight control plane (optional)
-
-        uri, data_uri = resolve(uri, ticket)
+    """Fetch a whole stream as a ``pa.Table`` (synchronous)."""
     return _run(lambda: fetch_async(uri, ticket, data_uri=data_uri, options=options))  # type: ignore[no-any-return]
 
 

@@ -1,0 +1,198 @@
+"""The ``dissoc`` command line: ``dissoc serve`` and ``dissoc get`` (DESIGN.md section 5).
+
+stdout carries only JSON lines, for scripts; logs and progress go to stderr. Exit status: 0 success, 1 a
+:class:`~dissoc.errors.DissocError` (its message on stderr, no traceback), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dissoc.errors import DissocError
+
+__all__ = ["main"]
+
+log = logging.getLogger("dissoc")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dissoc", description="Arrow Dissociated IPC: serve and fetch Arrow data.")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging on stderr (-v, -vv)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve Arrow IPC / Parquet files, each under the ticket of its file stem")
+    s.add_argument("paths", nargs="+", metavar="PATH", help="Arrow IPC file or stream, Parquet file or directory")
+    s.add_argument("--transport", choices=["tcp", "ucx"], default="tcp")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=0, help="metadata (or combined) port; 0 picks a free one")
+    s.add_argument("--data-port", type=int, default=0, help="data port with --split; 0 picks a free one")
+    s.add_argument("--split", action="store_true", help="metadata and data streams on two servers")
+    s.add_argument("--body", choices=["packed", "pairs"], default="packed")
+    s.add_argument("--memory", choices=["shm", "ucx", "cuda"], default=None, help="what pair addresses point at")
+    s.add_argument("--compression", choices=["lz4", "zstd"], default=None)
+
+    g = sub.add_parser("get", help="fetch one stream; prints a JSON summary")
+    g.add_argument("uri", help="metadata URI, e.g. tcp://HOST:PORT?want_data=N")
+    g.add_argument("ticket")
+    g.add_argument("--data-uri", default=None, help="data URI when the servers are split")
+    g.add_argument("-o", "--output", default=None, help="write an Arrow IPC file (.arrow) or stream (.arrows)")
+    g.add_argument("--timeout", type=float, default=30.0)
+    g.add_argument("--no-progress", action="store_true")
+    return p
+
+
+# --------------------------------------------------------------------------------------------------- serve
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from dissoc.datasets import dataset_from
+    from dissoc.server import Server
+
+    if args.body == "pairs" or args.memory is not None:
+        raise DissocError(
+            "--body pairs / --memory are not available in this version: bodies are sent packed "
+            f"(asked: --body {args.body}, --memory {args.memory})"
+        )
+    datasets = {}
+    for path in args.paths:
+        ds = dataset_from(path)
+        if ds.name in datasets:
+            raise DissocError(f"two paths would be served under the same ticket {ds.name!r}")
+        datasets[ds.name] = ds
+    server = Server(
+        datasets,
+        host=args.host,
+        port=args.port,
+        transport=args.transport,
+        split=args.split,
+        data_port=args.data_port,
+        compression=args.compression,
+    )
+    async with server:
+        for name in datasets:
+            line: dict[str, Any] = {"ticket": name, "uri": server.uri, "data_uri": server.data_uri}
+            sys.stdout.write(json.dumps(line) + "\n")
+        sys.stdout.flush()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("stopping")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------- get
+
+
+class _Progress:
+    """A one-line progress display on stderr, only when stderr is a terminal."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and sys.stderr.isatty()
+        self.last = 0.0
+
+    def update(self, batches: int, nbytes: int, started: float) -> None:
+        now = time.perf_counter()
+        if not self.enabled or now - self.last < 0.1:
+            return
+        self.last = now
+        rate = nbytes / max(now - started, 1e-9) / 1e9
+        sys.stderr.write(f"\r{batches} batches  {nbytes / 1e6:,.1f} MB  {rate:.2f} GB/s ")
+        sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+async def _get(args: argparse.Namespace) -> int:
+    from dissoc import codec
+    from dissoc.client import ClientOptions, FetchStats, stream_batches
+
+    uri, data_uri = args.uri, args.data_uri
+    stats = FetchStats()
+    progress = _Progress(not args.no_progress)
+    started = time.perf_counter()
+    writer: Any = None
+    schema_holder: list[Any] = []
+    nbytes = 0
+    try:
+        async for batch in stream_batches(
+            uri,
+            args.ticket,
+            data_uri=data_uri,
+            options=ClientOptions(timeout=args.timeout),
+            stats=stats,
+            on_schema=schema_holder.append,
+        ):
+            nbytes += batch.nbytes
+            if args.output is not None:
+                if writer is None:
+                    writer = _open_writer(args.output, batch.schema)
+                writer.write_batch(batch)
+            progress.update(stats.batches, nbytes, started)
+        if args.output is not None and writer is None and schema_holder:
+            writer = _open_writer(args.output, schema_holder[0])
+    finally:
+        if writer is not None:
+            writer.close()
+        progress.done()
+    seconds = time.perf_counter() - started
+    summary = {
+        "rows": stats.rows,
+        "batches": stats.batches,
+        "bytes": nbytes,
+        "seconds": round(seconds, 6),
+        "gb_per_s": round(nbytes / seconds / 1e9, 3) if seconds > 0 else None,
+    }
+    if args.output is not None:
+        summary["output"] = str(args.output)
+    sys.stdout.write(json.dumps(summary) + "\n")
+    sys.stdout.flush()
+    del codec
+    return 0
+
+
+def _open_writer(path: str, schema: Any) -> Any:
+    from dissoc import codec
+
+    suffix = Path(path).suffix.lower()
+    if suffix in (".arrows", ".stream"):
+        return codec.new_stream(path, schema)
+    return codec.new_file(path, schema)
+
+
+# --------------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``dissoc`` command."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits 2 on usage errors, 0 for --help
+        return int(e.code or 0)
+    level = logging.WARNING - 10 * args.verbose
+    logging.basicConfig(stream=sys.stderr, level=max(level, logging.DEBUG), format="%(name)s: %(message)s")
+    try:
+        if args.command == "serve":
+            return asyncio.run(_serve(args))
+        return asyncio.run(_get(args))
+    except DissocError as e:
+        sys.stderr.write(f"dissoc: error: {e}\n")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
