@@ -23,6 +23,29 @@ __all__ = [
     "ProtocolError",
     "RemoteError",
     "ResourceError",
+    "Server",
     "TransportError",
     "__version__",
+    "fetch",
+    "fetch_async",
+    "open_stream",
+    "stream_batches",
 ]
+
+_LAZY = {
+    "Server": ("dissoc.server", "Server"),
+    "fetch": ("dissoc.client", "fetch"),
+    "fetch_async": ("dissoc.client", "fetch_async"),
+    "open_stream": ("dissoc.client", "open_stream"),
+    "stream_batches": ("dissoc.client", "stream_batches"),
+}
+
+
+def __getattr__(name: str) -> object:
+    # The servers and client pull in asyncio and the transports: load them on first use only.
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'dissoc' has no attribute {name!r}")
