@@ -12,11 +12,12 @@ import enum
 import logging
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 
-from dissoc.codec import MessageEncoder
-from dissoc.datasets import Catalog, Dataset, IpcFileDataset, TableDataset
+from dissoc.codec import MessageEncoder, iter_messages
+from dissoc.datasets import Catalog, Dataset, IpcFileDataset, IpcStreamDataset, TableDataset
 from dissoc.errors import DissocError, TransportError
 from dissoc.protocol import ServerStream, encode_error, fmt_seq, fmt_tag
 from dissoc.transport import Connection, Listener, serve
@@ -66,25 +67,54 @@ async def _batches(dataset: Dataset) -> AsyncIterator[pa.RecordBatch]:
             close()
 
 
+def _stored_messages(dataset: Dataset) -> Iterator[tuple[Any, list[Any], bool]] | None:
+    """Stored IPC data is forwarded as it is (no decode, no re-encode): its messages, or None."""
+    if isinstance(dataset, IpcFileDataset):
+        source: Any = dataset.buffer
+        file_format = True
+    elif isinstance(dataset, IpcStreamDataset):
+        source, file_format = dataset.path, False
+    else:
+        return None
+    return (
+        (meta, [body], msg.has_body)
+        for msg, meta, body in iter_messages(source, file_format=file_format)
+    )
+
+
+async def _encoded_messages(dataset: Dataset, options: ServeOptions) -> AsyncIterator[tuple[Any, list[Any], bool]]:
+    """(metadata, body buffers, has body) for every message of the dataset's stream, schema first."""
+    stored = _stored_messages(dataset)
+    if stored is not None:
+        for item in stored:
+            yield item
+        return
+    encoder = MessageEncoder(dataset.schema, compression=options.compression)
+    yield encoder.schema_message().metadata, [], False
+    async for batch in _batches(dataset):
+        for m in encoder.encode(batch):
+            yield m.metadata, m.body_buffers, True
+
+
 async def stream_dataset(conn: Connection, role: Role, dataset: Dataset, options: ServeOptions) -> int:
     """Send the stream(s) of ``role`` for ``dataset``; returns the number of messages sent."""
     stream = ServerStream()
     meta = role is not Role.DATA
     data = role is not Role.METADATA
-    encoder = MessageEncoder(dataset.schema, compression=options.compression)
     try:
-        schema_msg = encoder.schema_message()
-        header = stream.schema(schema_msg.metadata)
-        if meta:
-            await conn.send([header, schema_msg.metadata])
-        async for batch in _batches(dataset):
-            for m in encoder.encode(batch):
-                sent = stream.message(m.metadata, True)
+        first = True
+        async for metadata, body, with_body in _encoded_messages(dataset, options):
+            if first:
+                first = False
+                header = stream.schema(metadata)
                 if meta:
-                    await conn.send([sent.header, m.metadata])
-                if data:
-                    assert sent.tag is not None
-                    await conn.send_tagged(sent.tag, m.body_buffers)
+                    await conn.send([header, metadata])
+                continue
+            sent = stream.message(metadata, with_body)
+            if meta:
+                await conn.send([sent.header, metadata])
+            if data and sent.tag is not None:
+                await conn.send_tagged(sent.tag, body)
         count = stream.next_seq
         if meta:
             await conn.send(stream.end())

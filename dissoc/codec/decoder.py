@@ -133,6 +133,7 @@ class _Compiled:
         tmpl[:, 4] = self.n_children
         self.template = tmpl
         self.total_buffers = int(self.nbuf_ipc.sum())
+        self.size_rules = None if self.view_nodes.size else _size_rules(flat, self.nbuf_ipc, self.drop_first)
         self.has_kids = (self.n_children > 0).astype(np.uint64)
         self.child_rel = self.child_start * np.uint64(8)
         self.child_idx80 = self.child_idx * np.uint64(cdata.STRUCT_SIZE)
@@ -317,6 +318,8 @@ class MessageDecoder:
         keep.objects.append(body)
         lengths = lens
         transformed = h.compression is not None or self._info.big_endian
+        if not transformed:
+            self._check_sizes(c, nodes, nbuf, lens)
         if c.simple and not transformed:
             addrs = None
         else:
@@ -325,6 +328,7 @@ class MessageDecoder:
                 addrs, lengths = self._transform_buffers(
                     c, h, nbuf, _exclusive_cumsum(nbuf), body, addrs, keep
                 )
+                self._check_sizes(c, nodes, nbuf, lengths)
         for _, did in c.dict_nodes:
             if did not in self.dictionaries:
                 raise CodecError(
@@ -348,6 +352,7 @@ class MessageDecoder:
             cbuf_rel = c.buf_rel
         else:
             first = _exclusive_cumsum(nbuf)
+            addrs[lengths == 0] = cdata.ZERO_ADDRESS
             vnodes = np.flatnonzero(c.has_validity & (nodes[:, 1] == 0))
             if vnodes.size:
                 addrs[first[vnodes] + c.drop_first[vnodes]] = 0
@@ -373,6 +378,11 @@ class MessageDecoder:
         if addrs is None:
             ptrs[0] = 0
             np.add(offs, body.address, out=ptrs[1:], casting="unsafe")
+            # Empty buffers are passed as NULL: an address past them may hold anything (an empty offsets
+            # buffer must not be read as offsets[0]).
+            empty = lens == 0
+            if empty.any():
+                ptrs[1:][empty] = cdata.ZERO_ADDRESS
             if c.validity_pos.size:
                 ptrs[c.validity_pos] *= nodes[c.validity_nodes, 1] != 0
         else:
@@ -394,6 +404,24 @@ class MessageDecoder:
         except (pa.ArrowException, ValueError) as e:
             raise CodecError(f"RecordBatch: invalid data: {e}") from None
         return batch
+
+    def _check_sizes(
+        self,
+        c: _Compiled,
+        nodes: npt.NDArray[np.int64],
+        nbuf: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+    ) -> None:
+        """Every buffer must hold what Arrow will read for its node's length (Arrow's importer trusts us)."""
+        rules = c.size_rules if c.size_rules is not None else _size_rules(c.flat, nbuf, c.drop_first)
+        req = _required_sizes(rules, nodes)
+        if len(req) and bool((lengths < req).any()):
+            k = int(np.flatnonzero(lengths < req)[0])
+            i = int(rules[0][k])
+            raise CodecError(
+                f"RecordBatch: buffer {k} of field {c.flat[i].field.name!r} (length {int(nodes[i, 0])}) holds "
+                f"{int(lengths[k])} bytes, {int(req[k])} are needed"
+            )
 
     def _check(
         self,
@@ -519,14 +547,62 @@ def _roles(p: FieldPlan, nbuf: int, drop_first: bool) -> list[int]:
     if lay == Layout.LARGE_LIST:
         return [_VALIDITY, _OFF8]
     if lay == Layout.LIST_VIEW:
-        return [_VALIDITY, _OFF4, _SIZES4]
+        return [_VALIDITY, _SIZES4, _SIZES4]
     if lay == Layout.LARGE_LIST_VIEW:
-        return [_VALIDITY, _OFF8, _SIZES8]
+        return [_VALIDITY, _SIZES8, _SIZES8]
     if lay in (Layout.FIXED_LIST, Layout.STRUCT):
         return [_VALIDITY]
     if lay == Layout.SPARSE_UNION:
         return [*pre, _TYPE_IDS]
-    return [*pre, _TYPE_IDS, _OFF4]
+    return [*pre, _TYPE_IDS, _SIZES4]
+
+
+# Per role: (bytes per element, extra element when non-empty (offsets), bit-packed, validity)
+_ROLE_SIZES = {
+    _VALIDITY: (0, 0, True, True),
+    _BITS: (0, 0, True, False),
+    _OFF4: (4, 1, False, False),
+    _OFF8: (8, 1, False, False),
+    _SIZES4: (4, 0, False, False),
+    _SIZES8: (8, 0, False, False),
+    _VIEWS: (16, 0, False, False),
+    _TYPE_IDS: (1, 0, False, False),
+    _DATA: (0, 0, False, False),
+    _SKIP: (0, 0, False, False),
+}
+
+
+def _size_rules(
+    flat: list[FieldPlan], nbuf: npt.NDArray[np.int64], drop_first: npt.NDArray[np.bool_]
+) -> tuple[npt.NDArray[Any], ...]:
+    """Per IPC buffer: (owning node, bytes per element, extra element, bit-packed, validity) arrays."""
+    node, mul, plus, bits, validity = [], [], [], [], []
+    for i, p in enumerate(flat):
+        for role in _roles(p, int(nbuf[i]), bool(drop_first[i])):
+            m, extra, b, v = _ROLE_SIZES.get(role, (p.width, 0, False, False))
+            node.append(i)
+            mul.append(m)
+            plus.append(extra)
+            bits.append(b)
+            validity.append(v)
+    return (
+        np.array(node, np.int64),
+        np.array(mul, np.int64),
+        np.array(plus, np.int64),
+        np.array(bits, bool),
+        np.array(validity, bool),
+    )
+
+
+def _required_sizes(
+    rules: tuple[npt.NDArray[Any], ...], nodes: npt.NDArray[np.int64]
+) -> npt.NDArray[np.int64]:
+    """The bytes each buffer must hold for this batch's node lengths (what Arrow will read)."""
+    node, mul, plus, bits, validity = rules
+    length = nodes[node, 0]
+    req: npt.NDArray[np.int64] = np.where(bits, (length + 7) // 8, (length + (length > 0) * plus) * mul)
+    req[validity & (nodes[node, 1] == 0)] = 0
+    return req
 
 
 def _bound(role: int, p: FieldPlan, length: int, limit: int) -> int:

@@ -82,82 +82,150 @@ class _Flattener:
 
     def visit(self, arr: pa.Array, path: tuple[int, ...]) -> None:
         ty = arr.type
-        if isinstance(ty, pa.BaseExtensionType):
+        kind = _KINDS.get(ty.id)
+        if kind is None:
+            kind = _kind_of(ty)
+        if kind == _EXTENSION:
             arr = arr.storage
             ty = arr.type
+            kind = _KINDS.get(ty.id) or _kind_of(ty)
         n, off = len(arr), arr.offset
-        types = pa.types
-        if types.is_dictionary(ty):
+        if kind == _DICTIONARY:
             self.dictionaries.append((self.ids.by_path[path], arr.dictionary, path))
             ty = ty.index_type
-        nulls = arr.null_count
-        if types.is_null(ty):
+            kind = _FIXED
+        if kind == _NULL:
             self.nodes.append((n, n))
             return
+        nulls = arr.null_count
         self.nodes.append((n, nulls))
         bufs = arr.buffers()
         validity = _bitmap(bufs[0], off, n) if nulls else None
         add = self.buffers.append
-        if types.is_boolean(ty):
+        if kind == _FIXED:
+            width = ty.bit_width // 8
+            add(validity)
+            add(bufs[1].slice(off * width, n * width) if n else None)
+        elif kind == _BOOL:
             add(validity)
             add(_bitmap(bufs[1], off, n))
-        elif types.is_union(ty):
-            add(bufs[1].slice(off, n) if n else None)
-            if ty.mode == "dense":
-                add(bufs[2].slice(off * 4, n * 4) if n else None)
-                for i in range(ty.num_fields):
-                    self.visit(arr.field(i), (*path, i))
-            else:
-                for i in range(ty.num_fields):
-                    self.visit(arr.field(i), (*path, i))
-        elif types.is_run_end_encoded(ty):
-            run_ends, values = _ree_children(arr)
-            self.visit(run_ends, (*path, 0))
-            self.visit(values, (*path, 1))
-        elif types.is_binary_view(ty) or types.is_string_view(ty):
+        elif kind == _BINARY or kind == _LARGE_BINARY:
+            offsets, first, last = _rebased_offsets(
+                bufs[1], off, n, "<i8" if kind == _LARGE_BINARY else "<i4"
+            )
+            add(validity)
+            add(offsets)
+            add(bufs[2].slice(first, last - first) if bufs[2] is not None and last > first else None)
+        elif kind == _LIST or kind == _LARGE_LIST:
+            offsets, first, last = _rebased_offsets(bufs[1], off, n, "<i8" if kind == _LARGE_LIST else "<i4")
+            add(validity)
+            add(offsets)
+            self.visit(arr.values.slice(first, last - first), (*path, 0))
+        elif kind == _STRUCT:
+            add(validity)
+            for i in range(ty.num_fields):
+                self.visit(arr.field(i), (*path, i))
+        elif kind == _VIEW:
             add(validity)
             add(bufs[1].slice(off * 16, n * 16) if n else None)
             data = bufs[2:]
             self.variadic.append(len(data))
             self.buffers.extend(data)
-        elif (
-            types.is_binary(ty)
-            or types.is_string(ty)
-            or types.is_large_binary(ty)
-            or types.is_large_string(ty)
-        ):
-            dtype = "<i8" if types.is_large_binary(ty) or types.is_large_string(ty) else "<i4"
-            offsets, first, last = _rebased_offsets(bufs[1], off, n, dtype)
-            add(validity)
-            add(offsets)
-            add(bufs[2].slice(first, last - first) if bufs[2] is not None and last > first else None)
-        elif types.is_list(ty) or types.is_large_list(ty) or types.is_map(ty):
-            dtype = "<i8" if types.is_large_list(ty) else "<i4"
-            offsets, first, last = _rebased_offsets(bufs[1], off, n, dtype)
-            add(validity)
-            add(offsets)
-            child = arr.values
-            self.visit(child.slice(first, last - first), (*path, 0))
-        elif types.is_list_view(ty) or types.is_large_list_view(ty):
-            w = 8 if types.is_large_list_view(ty) else 4
+        elif kind == _LIST_VIEW or kind == _LARGE_LIST_VIEW:
+            w = 8 if kind == _LARGE_LIST_VIEW else 4
             add(validity)
             add(bufs[1].slice(off * w, n * w) if n else None)
             add(bufs[2].slice(off * w, n * w) if n else None)
             self.visit(arr.values, (*path, 0))
-        elif types.is_fixed_size_list(ty):
+        elif kind == _FIXED_LIST:
             add(validity)
             size = ty.list_size
             self.visit(arr.values.slice(off * size, n * size), (*path, 0))
-        elif types.is_struct(ty):
-            add(validity)
+        elif kind == _UNION:
+            add(bufs[1].slice(off, n) if n else None)
+            if ty.mode == "dense":
+                add(bufs[2].slice(off * 4, n * 4) if n else None)
             for i in range(ty.num_fields):
                 self.visit(arr.field(i), (*path, i))
-        else:
-            width = ty.byte_width if not types.is_dictionary(arr.type) else ty.bit_width // 8
-            if width <= 0:
-                raise CodecError(f"cannot encode arrays of type {arr.type}")
+        elif kind == _RUN_END:
+            run_ends, values = _ree_children(arr)
+            self.visit(run_ends, (*path, 0))
+            self.visit(values, (*path, 1))
+        elif kind == _FIXED_BYTES:
+            width = ty.byte_width
             add(validity)
             add(bufs[1].slice(off * width, n * width) if n else None)
+        else:  # pragma: no cover - _kind_of raises first
+            raise CodecError(f"cannot encode arrays of type {arr.type}")
+
+
+(
+    _NULL,
+    _FIXED,
+    _FIXED_BYTES,
+    _BOOL,
+    _BINARY,
+    _LARGE_BINARY,
+    _VIEW,
+    _LIST,
+    _LARGE_LIST,
+    _LIST_VIEW,
+    _LARGE_LIST_VIEW,
+    _FIXED_LIST,
+    _STRUCT,
+    _UNION,
+    _RUN_END,
+    _DICTIONARY,
+    _EXTENSION,
+) = range(17)
+_KINDS: dict[int, int] = {}
+
+
+def _kind_of(ty: pa.DataType) -> int:
+    """The layout kind of a type (cached by type id where the id decides it)."""
+    t = pa.types
+    if isinstance(ty, pa.BaseExtensionType):
+        return _EXTENSION
+    if t.is_dictionary(ty):
+        kind = _DICTIONARY
+    elif t.is_null(ty):
+        kind = _NULL
+    elif t.is_boolean(ty):
+        kind = _BOOL
+    elif t.is_binary(ty) or t.is_string(ty):
+        kind = _BINARY
+    elif t.is_large_binary(ty) or t.is_large_string(ty):
+        kind = _LARGE_BINARY
+    elif t.is_binary_view(ty) or t.is_string_view(ty):
+        kind = _VIEW
+    elif t.is_list(ty) or t.is_map(ty):
+        kind = _LIST
+    elif t.is_large_list(ty):
+        kind = _LARGE_LIST
+    elif t.is_list_view(ty):
+        kind = _LIST_VIEW
+    elif t.is_large_list_view(ty):
+        kind = _LARGE_LIST_VIEW
+    elif t.is_fixed_size_list(ty):
+        kind = _FIXED_LIST
+    elif t.is_struct(ty):
+        kind = _STRUCT
+    elif t.is_union(ty):
+        kind = _UNION
+    elif t.is_run_end_encoded(ty):
+        kind = _RUN_END
+    elif t.is_fixed_size_binary(ty) or t.is_decimal(ty):
+        kind = _FIXED_BYTES
+    else:
+        try:
+            width = ty.bit_width
+        except ValueError:
+            width = 0
+        if width < 8 or width % 8:
+            raise CodecError(f"cannot encode arrays of type {ty}")
+        kind = _FIXED
+    _KINDS[ty.id] = kind
+    return kind
 
 
 def _ree_children(arr: pa.Array) -> tuple[pa.Array, pa.Array]:
@@ -173,6 +241,54 @@ def _ree_children(arr: pa.Array) -> tuple[pa.Array, pa.Array]:
     hi = int(np.searchsorted(ends, off + n - 1, side="right"))
     new_ends = np.minimum(ends[lo : hi + 1] - off, n).astype(ends.dtype)
     return pa.array(new_ends, run_ends.type), values.slice(lo, hi - lo + 1)
+
+
+_OPAQUE_TYPES = {
+    pa.lib.Type_INTERVAL_MONTHS: pa.int32(),
+    pa.lib.Type_INTERVAL_DAY_TIME: pa.binary(8),
+}
+
+
+def _python_safe(ty: pa.DataType) -> pa.DataType:
+    """``ty`` with the types pyarrow cannot hand to Python (month, day-time intervals) replaced by same-layout ones."""
+    if ty.id in _OPAQUE_TYPES:
+        return _OPAQUE_TYPES[ty.id]
+    if isinstance(ty, pa.BaseExtensionType):
+        storage = _python_safe(ty.storage_type)
+        return ty if storage.equals(ty.storage_type) else storage
+    if pa.types.is_dictionary(ty):
+        return pa.dictionary(ty.index_type, _python_safe(ty.value_type), ty.ordered)
+    if ty.num_fields == 0:
+        return ty
+    fields = [ty.field(i) for i in range(ty.num_fields)]
+    safe = [f.with_type(_python_safe(f.type)) for f in fields]
+    if all(a.type.equals(b.type) for a, b in zip(fields, safe, strict=True)):
+        return ty
+    t = pa.types
+    if t.is_map(ty):
+        return pa.map_(safe[0].type.field(0), safe[0].type.field(1), ty.keys_sorted)
+    if t.is_struct(ty):
+        return pa.struct(safe)
+    if t.is_union(ty):
+        return pa.union(safe, ty.mode, list(ty.type_codes))
+    if t.is_run_end_encoded(ty):
+        return pa.run_end_encoded(safe[0].type, safe[1].type)
+    factories = {
+        pa.lib.Type_LIST: pa.list_,
+        pa.lib.Type_LARGE_LIST: pa.large_list,
+        pa.lib.Type_LIST_VIEW: pa.list_view,
+        pa.lib.Type_LARGE_LIST_VIEW: pa.large_list_view,
+    }
+    if t.is_fixed_size_list(ty):
+        return pa.list_(safe[0], ty.list_size)
+    return factories[ty.id](safe[0])
+
+
+def _reinterpret(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """The same memory viewed with ``schema`` (same layouts), through the C Data Interface."""
+    struct = pa.allocate_buffer(80)
+    batch._export_to_c(struct.address)
+    return pa.RecordBatch._import_from_c(struct.address, schema)
 
 
 class MessageEncoder:
@@ -198,6 +314,8 @@ class MessageEncoder:
         self.allow_dictionary_replacement = allow_dictionary_replacement
         self.ids = DictionaryIds(schema)
         self._dicts: dict[int, pa.Array] = {}
+        safe = pa.schema([f.with_type(_python_safe(f.type)) for f in schema])
+        self._storage_schema = None if safe.equals(schema) else safe
 
     def schema_message(self) -> EncodedMessage:
         """The Schema message that starts every stream."""
@@ -207,11 +325,15 @@ class MessageEncoder:
 
     def encode(self, batch: pa.RecordBatch) -> list[EncodedMessage]:
         """The messages for one batch: dictionary batches first, then the record batch."""
-        if not batch.schema.equals(self.schema, check_metadata=False):
-            raise CodecError(f"batch schema {batch.schema} does not match the stream schema {self.schema}")
+        schema = batch.schema
+        if schema is not self.schema and not schema.equals(self.schema, check_metadata=False):
+            raise CodecError(f"batch schema {schema} does not match the stream schema {self.schema}")
+        if self._storage_schema is not None:
+            batch = _reinterpret(batch, self._storage_schema)
         fl = _Flattener(self.ids)
-        for i in range(batch.num_columns):
-            fl.visit(batch.column(i), (i,))
+        visit = fl.visit
+        for i, column in enumerate(batch.columns):
+            visit(column, (i,))
         out: list[EncodedMessage] = []
         seen: set[int] = set()
         for did, dictionary, path in fl.dictionaries:

@@ -30,6 +30,7 @@ __all__ = [
     "StreamReader",
     "StreamWriter",
     "frame_prefix",
+    "iter_messages",
     "open_file",
     "open_stream",
     "new_file",
@@ -501,6 +502,29 @@ class FileWriter(StreamWriter):
 
 
 # --------------------------------------------------------------------------------------------------- API
+
+
+def iter_messages(source: Any, *, file_format: bool = False) -> Iterator[tuple[ParsedMessage, memoryview, pa.Buffer]]:
+    """The framed messages of a stream (or of the stream inside an IPC file), as stored: no decoding.
+
+    Yields (parsed header, metadata flatbuffer, body) with the body a zero-copy slice of ``source``; this is
+    what lets a server forward stored IPC data without decoding and re-encoding it.
+    """
+    buf = _buffer_source(source)
+    if buf is None:
+        raise CodecError("iter_messages needs bytes-like data or a path, not a file object")
+    pos = 0
+    if file_format:
+        if buf.size < 8 or bytes(memoryview(buf)[:6]) != MAGIC:
+            raise CodecError(f"file: expected {MAGIC!r} at the start")
+        pos = 8
+    while True:
+        item = _message_at(buf, pos, buf.size)
+        if item is None:
+            return
+        msg, meta, body, pos = item
+        yield msg, meta, body
+
 
 
 def open_stream(source: Any, *, validate: bool = True) -> StreamReader:

@@ -469,6 +469,27 @@ def _resolve_extension(
     return None, meta
 
 
+_ext_metadata_cache: dict[str, bytes] = {}
+
+
+def _extension_metadata(ty: pa.BaseExtensionType) -> bytes:
+    """The serialized parameters of an extension type (C++ extension types have no Python accessor for them)."""
+    serialize = getattr(ty, "__arrow_ext_serialize__", None)
+    if serialize is not None:
+        return bytes(serialize())
+    key = f"{ty.extension_name}:{ty}"
+    if key not in _ext_metadata_cache:
+        from dissoc.codec.fb import root_table
+
+        msg = pa.schema([pa.field("x", ty)]).serialize()
+        view = memoryview(msg)[8:]
+        header = root_table(view, "Message").table(2, "Schema")
+        fields = header.tables(1, "Field") if header is not None else []
+        kv = _key_values(fields[0], 6) if fields else None
+        _ext_metadata_cache[key] = (kv or {}).get(EXTENSION_METADATA.encode(), b"")
+    return _ext_metadata_cache[key]
+
+
 def decode_schema(t: Table, metadata_version: int = 4) -> SchemaInfo:
     """Decode a Schema table into pyarrow's schema plus the layout plans."""
     endianness = t.scalar(0, "h", 0)
@@ -565,7 +586,7 @@ class _SchemaEncoder:
         if isinstance(ty, pa.BaseExtensionType):
             meta = dict(meta or {})
             meta[EXTENSION_NAME.encode()] = ty.extension_name.encode()
-            meta[EXTENSION_METADATA.encode()] = ty.__arrow_ext_serialize__()
+            meta[EXTENSION_METADATA.encode()] = _extension_metadata(ty)
             ty = ty.storage_type
         children = [self.field(ty.field(i), (*path, i)) for i in range(ty.num_fields)]
         type_id, type_off = self._type(ty)

@@ -1,0 +1,545 @@
+"""Reusable pieces of the throughput benchmarks: workloads, datasets, server subprocesses, anchor paths.
+
+The anchors are the reference points of spec/FACTS.md section 6, measured on this machine in the same run as
+whatever they are compared with:
+
+- ``numpy copy``: one copy of the payload bytes with ``np.copyto`` (the memory-bandwidth ceiling);
+- ``flight do_get``: a pyarrow.flight server in a subprocess, read with ``FlightClient.do_get``;
+- ``ipc stream socket``: a subprocess writes a pyarrow IPC stream to a TCP socket, read with
+  ``pa.ipc.open_stream``.
+
+Every server reads the same Arrow IPC file through ``pa.memory_map`` (zero-copy) and writes it with C++ loops
+(``flight.RecordBatchStream`` over the table, ``RecordBatchStreamWriter.write_table``), so no server pays a
+different read cost. Every client consumes every batch with :func:`consume` and never concatenates.
+
+A *path* is a function ``(dataset, exit_stack) -> transfer``: it sets up what it needs (servers, clients),
+registers their cleanup on the exit stack, and returns a zero-argument ``transfer`` that moves the whole
+dataset once and returns what it consumed. :func:`measure` times a transfer. Later benchmarks (UCX, Spark)
+add rows by writing more paths.
+
+This file is also the entry point of the anchor servers (run as a script)::
+
+    python benchmarks/_anchors.py serve-flight PATH   # {"ticket", "uri"}; serves until SIGTERM
+    python benchmarks/_anchors.py serve-ipc PATH      # {"ticket", "uri", "port"}; a stream per connection
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import select
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+
+import numpy as np
+import pyarrow as pa
+
+MiB = 1 << 20
+HOST = "127.0.0.1"
+#: Buffer size of the IPC socket writer and reader (Python ``BufferedWriter``/``BufferedReader`` from
+#: ``socket.makefile``). Measured readers: a 1 MiB ``BufferedReader`` given straight to
+#: ``pa.ipc.open_stream`` is as fast as the best for 16 MiB batches (large reads bypass the buffer, no extra
+#: copy) and 1.6x the default 8 KiB one for 16 KiB batches; ``pa.input_stream(file, buffer_size=...)``
+#: matches it on small batches but adds a copy on large ones.
+IPC_SOCKET_BUFFER = 1 * MiB
+#: numpy copy cycles through source/destination regions at least this large, so that it measures memory,
+#: not the 32 MiB L3 cache.
+NUMPY_RING_BYTES = 64 * MiB
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Workloads and datasets
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``num_batches`` identical batches of ``columns`` int64 columns of ``rows_per_batch`` rows."""
+
+    name: str
+    columns: int
+    rows_per_batch: int
+    num_batches: int
+
+    @property
+    def batch_bytes(self) -> int:
+        return self.columns * self.rows_per_batch * 8
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.batch_bytes * self.num_batches
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: {self.num_batches} batches x {self.columns} int64 cols x {self.rows_per_batch}"
+            f" rows = {_size(self.batch_bytes)}/batch, {_size(self.payload_bytes)} in all"
+        )
+
+
+#: Full-size workloads: ~1 GiB in 16 MiB batches, and 100k batches of 1k rows.
+WORKLOADS: dict[str, Workload] = {
+    "large": Workload("large", 2, 1 << 20, 64),
+    "small": Workload("small", 2, 1024, 100_000),
+}
+#: ``--quick`` workloads: 256 MiB, and 10k small batches.
+QUICK_WORKLOADS: dict[str, Workload] = {
+    "large": Workload("large", 2, 1 << 20, 16),
+    "small": Workload("small", 2, 1024, 10_000),
+}
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """An Arrow IPC file every path serves; ``payload_bytes`` is the sum of ``batch.nbytes``."""
+
+    name: str
+    path: Path
+    ticket: str
+    num_batches: int
+    num_rows: int
+    payload_bytes: int
+
+
+def write_dataset(directory: Path, workload: Workload) -> Dataset:
+    """Write ``workload`` to ``directory/<name>.arrow`` (Arrow IPC file); its ticket is the file stem."""
+    path = directory / f"{workload.name}.arrow"
+    values = np.arange(workload.rows_per_batch, dtype=np.int64)
+    batch = pa.record_batch(
+        [pa.array(values + column) for column in range(workload.columns)],
+        names=[f"c{column}" for column in range(workload.columns)],
+    )
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as writer:
+        for _ in range(workload.num_batches):
+            writer.write_batch(batch)
+    assert batch.nbytes == workload.batch_bytes
+    return Dataset(
+        name=workload.name,
+        path=path,
+        ticket=path.stem,
+        num_batches=workload.num_batches,
+        num_rows=workload.rows_per_batch * workload.num_batches,
+        payload_bytes=workload.payload_bytes,
+    )
+
+
+def describe_dataset(path: Path) -> Dataset:
+    """A :class:`Dataset` for an existing Arrow IPC file (reads every batch's metadata)."""
+    rows = nbytes = 0
+    with pa.memory_map(str(path)) as source:
+        reader = pa.ipc.open_file(source)
+        for i in range(reader.num_record_batches):
+            batch = reader.get_batch(i)
+            rows += batch.num_rows
+            nbytes += batch.nbytes
+        count = reader.num_record_batches
+    return Dataset(path.stem, path, path.stem, count, rows, nbytes)
+
+
+def load_table(path: Path | str) -> pa.Table:
+    """The whole IPC file as a table over a memory map: zero-copy, one chunk per batch, no concatenation."""
+    return pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+
+
+def default_tmpdir(needed_bytes: int) -> str | None:
+    """``/dev/shm`` when it has room (no disk writeback disturbing the timings), else the default."""
+    with contextlib.suppress(OSError):
+        stats = os.statvfs("/dev/shm")
+        if stats.f_bavail * stats.f_frsize > 2 * needed_bytes + 512 * MiB:
+            return "/dev/shm"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Consuming and measuring
+
+
+@dataclass(frozen=True)
+class Consumed:
+    batches: int
+    rows: int
+
+
+#: Moves a whole dataset once and returns what it consumed.
+Transfer = Callable[[], Consumed]
+#: Sets up a path for a dataset (cleanup registered on the exit stack) and returns its transfer.
+PathFactory = Callable[[Dataset, contextlib.ExitStack], Transfer]
+
+
+class Unavailable(Exception):
+    """A path cannot run here (missing module, server that does not start); the message says why."""
+
+
+class BenchmarkError(Exception):
+    """A transfer delivered something other than the dataset."""
+
+
+def consume(batches: Iterable[pa.RecordBatch]) -> Consumed:
+    """Touch every batch (count it and its rows), keep none: the same consumer for every path."""
+    count = rows = 0
+    for batch in batches:
+        count += 1
+        rows += batch.num_rows
+    return Consumed(count, rows)
+
+
+@dataclass
+class Measurement:
+    """Timings of one path on one dataset; ``error`` set (and no timings) when it could not run."""
+
+    path: str
+    workload: str
+    payload_bytes: int
+    num_batches: int
+    seconds: list[float] = field(default_factory=list)
+    error: str | None = None
+    note: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.seconds)
+
+    @property
+    def gbps(self) -> list[float]:
+        return [self.payload_bytes / s / 1e9 for s in self.seconds]
+
+    @property
+    def median_gbps(self) -> float:
+        return statistics.median(self.gbps)
+
+    @property
+    def median_batches_per_s(self) -> float:
+        return self.num_batches / statistics.median(self.seconds)
+
+    def to_json(self) -> dict[str, Any]:
+        result: dict[str, Any] = {
+            "path": self.path,
+            "workload": self.workload,
+            "payload_bytes": self.payload_bytes,
+            "batches": self.num_batches,
+            "error": self.error,
+        }
+        if self.note:
+            result["note"] = self.note
+        if self.ok:
+            result.update(
+                seconds=[round(s, 6) for s in self.seconds],
+                median_GBps=round(self.median_gbps, 4),
+                min_GBps=round(min(self.gbps), 4),
+                max_GBps=round(max(self.gbps), 4),
+                median_batches_per_s=round(self.median_batches_per_s, 1),
+            )
+        return result
+
+
+class _Timeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float | None) -> Iterator[None]:
+    """Raise :class:`_Timeout` in the main thread after ``seconds`` (SIGALRM); a no-op elsewhere."""
+    import threading
+
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum: int, frame: FrameType | None) -> None:
+        raise _Timeout(f"no result after {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def measure(
+    name: str,
+    dataset: Dataset,
+    factory: PathFactory,
+    *,
+    repeat: int,
+    warmup: int = 1,
+    timeout: float | None = 120.0,
+) -> Measurement:
+    """Set up ``factory``'s path, run ``warmup`` untimed then ``repeat`` timed transfers, tear it down.
+
+    Never raises for a path that fails (except KeyboardInterrupt/SystemExit): the failure becomes
+    ``Measurement.error``. The garbage collector is off during each timed transfer (for every path alike).
+    """
+    result = Measurement(name, dataset.name, dataset.payload_bytes, dataset.num_batches)
+    try:
+        with contextlib.ExitStack() as stack:
+            transfer = factory(dataset, stack)
+            for i in range(warmup + repeat):
+                gc.collect()
+                gc.disable()
+                try:
+                    with _deadline(timeout):
+                        start = time.perf_counter()
+                        got = transfer()
+                        elapsed = time.perf_counter() - start
+                finally:
+                    gc.enable()
+                if got.rows != dataset.num_rows:
+                    raise BenchmarkError(f"expected {dataset.num_rows} rows, received {got.rows}")
+                if got.batches != dataset.num_batches:
+                    result.note = f"received {got.batches} batches for {dataset.num_batches} sent"
+                if i >= warmup:
+                    result.seconds.append(elapsed)
+    except Unavailable as exc:
+        result.error = f"not available ({exc})"
+    except Exception as exc:
+        result.error = f"error: {type(exc).__name__}: {exc}"
+    if result.error:
+        result.seconds.clear()
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Server subprocesses
+
+
+class ServerProcess:
+    """A server subprocess that prints one JSON line per dataset on stdout when ready.
+
+    Its stderr goes to a temporary file (quoted in errors). :meth:`stop` (also the context-manager exit)
+    sends SIGTERM, waits, and kills it if it does not exit; it is safe to call more than once.
+    """
+
+    def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: Path | None = None):
+        self.argv = list(argv)
+        self._stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
+        self._pending = b""
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            bufsize=0,
+            env=env,
+            cwd=cwd,
+        )
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def read_json_lines(self, count: int, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """Wait for ``count`` JSON lines on stdout; raises :class:`Unavailable` if it exits or times out."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        lines: list[dict[str, Any]] = []
+        while len(lines) < count:
+            if b"\n" in self._pending:
+                line, self._pending = self._pending.split(b"\n", 1)
+                if line.strip():
+                    try:
+                        lines.append(json.loads(line))
+                    except ValueError:
+                        raise Unavailable(f"{self._name()} printed {line[:200]!r}, not JSON") from None
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Unavailable(f"{self._name()} not ready after {timeout:g} s{self._stderr_tail()}")
+            ready, _, _ = select.select([fd], [], [], remaining)
+            if ready:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    code = self.proc.wait(timeout=5)
+                    raise Unavailable(f"{self._name()} exited with status {code}{self._stderr_tail()}")
+                self._pending += chunk
+        return lines
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._stderr.close()
+
+    def _name(self) -> str:
+        return " ".join(Path(a).name if i < 2 else a for i, a in enumerate(self.argv[:4]))
+
+    def _stderr_tail(self, limit: int = 1500) -> str:
+        with contextlib.suppress(ValueError, OSError):
+            self._stderr.seek(0)
+            text = self._stderr.read().decode(errors="replace").strip()
+            if text:
+                return ": ..." + text[-limit:] if len(text) > limit else ": " + text
+        return ""
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment for server subprocesses: the repository root first on PYTHONPATH."""
+    env = dict(os.environ)
+    paths = [str(REPO_ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def start_server(
+    stack: contextlib.ExitStack, argv: Sequence[str], *, lines: int = 1, timeout: float = 60.0
+) -> list[dict[str, Any]]:
+    """Start a :class:`ServerProcess` stopped by ``stack``; return its ready lines."""
+    server = stack.enter_context(ServerProcess(argv, env=subprocess_env(), cwd=REPO_ROOT))
+    return server.read_json_lines(lines, timeout=timeout)
+
+
+def anchor_server_argv(kind: str, path: Path) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), kind, str(path)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Anchor paths
+
+
+def numpy_copy(dataset: Dataset, stack: contextlib.ExitStack) -> Transfer:
+    """One ``np.copyto`` per batch of the batch's bytes, cycling through >= 64 MiB source and target rings."""
+    size = dataset.payload_bytes // dataset.num_batches
+    slots = max(1, -(-NUMPY_RING_BYTES // size))
+    source = np.ones(slots * size, dtype=np.uint8)
+    destination = np.ones(slots * size, dtype=np.uint8)
+    sources = [source[i * size : (i + 1) * size] for i in range(slots)]
+    destinations = [destination[i * size : (i + 1) * size] for i in range(slots)]
+    count, rows = dataset.num_batches, dataset.num_rows
+
+    def transfer() -> Consumed:
+        for i in range(count):
+            slot = i % slots
+            np.copyto(destinations[slot], sources[slot])
+        return Consumed(count, rows)
+
+    return transfer
+
+
+def flight_do_get(dataset: Dataset, stack: contextlib.ExitStack) -> Transfer:
+    """``FlightClient.do_get(ticket)`` from a pyarrow.flight server subprocess, read batch by batch."""
+    from pyarrow import flight
+
+    (info,) = start_server(stack, anchor_server_argv("serve-flight", dataset.path))
+    client = flight.FlightClient(info["uri"])
+    stack.callback(client.close)
+    ticket = flight.Ticket(info["ticket"].encode())
+
+    def transfer() -> Consumed:
+        return consume(client.do_get(ticket).to_reader())
+
+    return transfer
+
+
+def ipc_stream_socket(dataset: Dataset, stack: contextlib.ExitStack) -> Transfer:
+    """``pa.ipc.open_stream`` over a TCP connection to a subprocess that writes the IPC stream."""
+    (info,) = start_server(stack, anchor_server_argv("serve-ipc", dataset.path))
+    address = (HOST, int(info["port"]))
+
+    def transfer() -> Consumed:
+        with (
+            socket.create_connection(address) as sock,
+            sock.makefile("rb", buffering=IPC_SOCKET_BUFFER) as file,
+        ):
+            return consume(pa.ipc.open_stream(file))
+
+    return transfer
+
+
+#: The anchors in table order: (slug, label, path).
+ANCHORS: list[tuple[str, str, PathFactory]] = [
+    ("numpy-copy", "numpy copy", numpy_copy),
+    ("flight-do-get", "flight do_get", flight_do_get),
+    ("ipc-stream-socket", "ipc stream socket", ipc_stream_socket),
+]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Server entry points (subprocess side)
+
+
+def _print_ready(info: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(info) + "\n")
+    sys.stdout.flush()
+
+
+def _exit_on_sigterm() -> None:
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+
+
+def serve_flight(path: Path) -> None:
+    """Serve the file's table under its stem with ``flight.RecordBatchStream`` until SIGTERM/SIGINT."""
+    from pyarrow import flight
+
+    tables = {path.stem.encode(): load_table(path)}
+
+    class Server(flight.FlightServerBase):  # type: ignore[misc]
+        def do_get(self, context: Any, ticket: Any) -> Any:
+            table = tables.get(ticket.ticket)
+            if table is None:
+                raise flight.FlightServerError(f"unknown ticket {ticket.ticket!r}")
+            return flight.RecordBatchStream(table)
+
+    server = Server(f"grpc://{HOST}:0")
+    _print_ready({"ticket": path.stem, "uri": f"grpc://{HOST}:{server.port}"})
+    server.serve()  # returns on SIGINT/SIGTERM
+
+
+def serve_ipc(path: Path) -> None:
+    """Accept connections one at a time; write the file's batches to each as an IPC stream, then close it."""
+    table = load_table(path)
+    _exit_on_sigterm()
+    with socket.create_server((HOST, 0)) as listener:
+        port = listener.getsockname()[1]
+        _print_ready({"ticket": path.stem, "uri": f"tcp://{HOST}:{port}", "port": port})
+        while True:
+            conn, _ = listener.accept()
+            with (
+                contextlib.suppress(OSError, pa.ArrowException),
+                conn,
+                conn.makefile("wb", buffering=IPC_SOCKET_BUFFER) as sink,
+                pa.ipc.new_stream(sink, table.schema) as writer,
+            ):
+                writer.write_table(table)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="anchor servers of the throughput benchmarks")
+    parser.add_argument("kind", choices=["serve-flight", "serve-ipc"])
+    parser.add_argument("path", type=Path)
+    args = parser.parse_args(argv)
+    with contextlib.suppress(KeyboardInterrupt):
+        (serve_flight if args.kind == "serve-flight" else serve_ipc)(args.path)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+if __name__ == "__main__":
+    main()

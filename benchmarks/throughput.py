@@ -1,0 +1,396 @@
+"""Throughput of moving the same Arrow data between two processes over loopback (not collected by pytest).
+
+Paths (rows of the table), all serving one Arrow IPC file written beforehand and memory-mapped by the servers:
+
+- ``numpy-copy``          one ``np.copyto`` of each batch's bytes (the memory-bandwidth ceiling);
+- ``flight-do-get``       pyarrow.flight server subprocess, ``FlightClient.do_get`` read batch by batch;
+- ``ipc-stream-socket``   subprocess writes a pyarrow IPC stream to a TCP socket, ``pa.ipc.open_stream``
+                          reads it;
+- ``dissoc-tcp-combined`` ``python -m dissoc.cli serve --transport tcp`` subprocess, dissoc client;
+- ``dissoc-tcp-split``    the same with ``--split`` (metadata and bodies on separate connections).
+
+Workloads: ``large`` (1 GiB in 16 MiB batches; ``--quick``: 256 MiB) and ``small`` (100k batches of 1k rows,
+16 KiB each; ``--quick``: 10k). Each path runs one untimed warm-up and ``--repeat`` timed transfers; the table
+shows the median GB/s (payload = sum of ``batch.nbytes``, the same for every path), min, max, median
+batches/s, and the ratios of the medians to the anchors of the same workload (spec/FACTS.md section 6).
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/throughput.py --quick                 # ~5-10 s
+    .venv/bin/python benchmarks/throughput.py                         # full size, ~30-60 s
+    .venv/bin/python benchmarks/throughput.py --only anchors --workload large --json
+
+The dissoc rows say "not available (...)" while ``dissoc.cli`` / the client do not exist yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import platform
+import signal
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+try:
+    from benchmarks import _anchors as anchors
+except ImportError:  # run as a script: benchmarks/ is sys.path[0]
+    import _anchors as anchors  # type: ignore[no-redef, import-not-found]
+
+Consumed = anchors.Consumed
+Dataset = anchors.Dataset
+Measurement = anchors.Measurement
+PathFactory = anchors.PathFactory
+Transfer = anchors.Transfer
+Unavailable = anchors.Unavailable
+REPO_ROOT = anchors.REPO_ROOT
+ANCHOR_LABELS = ("flight do_get", "ipc stream socket", "numpy copy")  # the ratio columns, in order
+SERVER_READY_TIMEOUT = 60.0
+
+# ----------------------------------------------------------------------------------------------------------
+# dissoc paths
+
+#: Which client API a dissoc path used, by path label (shown as a note).
+_API_USED: dict[str, str] = {}
+
+#: The command that starts a dissoc server, up to its options (default ``python -m dissoc.cli serve``);
+#: ``--dissoc-serve`` replaces it, e.g. with a wrapper script.
+DISSOC_SERVE: list[str] = []
+
+DissocReader = Callable[[str, str, "str | None"], Consumed]
+
+
+def _closing(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    if hasattr(stream, "__enter__"):
+        return stream  # type: ignore[no-any-return]
+    if hasattr(stream, "close"):
+        return contextlib.closing(stream)
+    return contextlib.nullcontext(stream)
+
+
+def _dissoc_reader(stack: contextlib.ExitStack) -> tuple[DissocReader, str]:
+    """The best dissoc client API there is: ``client.open_stream``, ``client.stream_batches``, ``fetch``."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    try:
+        import dissoc
+    except ImportError as exc:
+        raise Unavailable(f"import dissoc: {exc}") from None
+    try:
+        client: Any = importlib.import_module("dissoc.client")
+    except ModuleNotFoundError as exc:
+        if exc.name != "dissoc.client":
+            raise Unavailable(f"import dissoc.client: {exc}") from None
+        client = None
+    except ImportError as exc:
+        raise Unavailable(f"import dissoc.client: {exc}") from None
+
+    if client is not None and hasattr(client, "open_stream"):
+
+        def read_sync(uri: str, ticket: str, data_uri: str | None) -> Consumed:
+            with _closing(client.open_stream(uri, ticket, data_uri=data_uri)) as batches:
+                return anchors.consume(batches)
+
+        return read_sync, "dissoc.client.open_stream"
+
+    loop = asyncio.new_event_loop()
+    stack.callback(loop.close)
+
+    if client is not None and hasattr(client, "stream_batches"):
+
+        async def consume_async(uri: str, ticket: str, data_uri: str | None) -> Consumed:
+            count = rows = 0
+            async for batch in client.stream_batches(uri, ticket, data_uri=data_uri):
+                count += 1
+                rows += batch.num_rows
+            return Consumed(count, rows)
+
+        def read_async(uri: str, ticket: str, data_uri: str | None) -> Consumed:
+            return loop.run_until_complete(consume_async(uri, ticket, data_uri))
+
+        return read_async, "dissoc.client.stream_batches"
+
+    fetch = getattr(dissoc, "fetch", None)
+    if fetch is not None:
+
+        def read_table(uri: str, ticket: str, data_uri: str | None) -> Consumed:
+            table = fetch(uri, ticket, data_uri=data_uri)
+            if inspect.isawaitable(table):
+                table = loop.run_until_complete(table)
+            return anchors.consume(table.to_batches())
+
+        return read_table, "dissoc.fetch"
+
+    raise Unavailable("no client yet: neither dissoc.client.open_stream/stream_batches nor dissoc.fetch")
+
+
+def dissoc_tcp(split: bool) -> PathFactory:
+    label = f"dissoc tcp {'split' if split else 'combined'}"
+
+    def factory(dataset: Dataset, stack: contextlib.ExitStack) -> Transfer:
+        if str(REPO_ROOT) not in sys.path:
+            sys.path.insert(0, str(REPO_ROOT))
+        serve = DISSOC_SERVE or [sys.executable, "-m", "dissoc.cli", "serve"]
+        if not DISSOC_SERVE:
+            try:
+                has_cli = importlib.util.find_spec("dissoc.cli") is not None
+            except ImportError as exc:
+                raise Unavailable(f"dissoc: {exc}") from None
+            if not has_cli:
+                raise Unavailable("dissoc.cli does not exist yet")
+        read, api = _dissoc_reader(stack)
+        argv = [*serve, "--transport", "tcp", "--host", anchors.HOST, "--port", "0"]
+        argv += [*(["--split"] if split else []), str(dataset.path)]
+        lines = anchors.start_server(stack, argv, timeout=SERVER_READY_TIMEOUT)
+        info = next((line for line in lines if line.get("ticket") == dataset.ticket), lines[0])
+        try:
+            uri, ticket = str(info["uri"]), str(info["ticket"])
+        except KeyError as exc:
+            raise Unavailable(f"dissoc serve printed {info}, without {exc}") from None
+        data_uri = info.get("data_uri")
+        data_uri = None if data_uri in (None, uri) else str(data_uri)
+        if split and data_uri is None:
+            raise Unavailable(f"dissoc serve --split printed no separate data_uri: {info}")
+        _API_USED[label] = api
+
+        def transfer() -> Consumed:
+            return read(uri, ticket, data_uri)
+
+        return transfer
+
+    return factory
+
+
+#: Every path, in table order: (slug for --only, label, path). Later benchmarks append rows here.
+PATHS: list[tuple[str, str, PathFactory]] = [
+    *anchors.ANCHORS,
+    ("dissoc-tcp-combined", "dissoc tcp combined", dissoc_tcp(split=False)),
+    ("dissoc-tcp-split", "dissoc tcp split", dissoc_tcp(split=True)),
+]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reporting
+
+
+def _ratios(result: Measurement, results: Sequence[Measurement]) -> dict[str, float | None]:
+    """Median GB/s of ``result`` over each anchor's median GB/s on the same workload."""
+    ratios: dict[str, float | None] = {}
+    for label in ANCHOR_LABELS:
+        anchor = next((r for r in results if r.path == label and r.workload == result.workload), None)
+        ok = result.ok and anchor is not None and anchor.ok
+        ratios[label] = result.median_gbps / anchor.median_gbps if ok and anchor else None
+    return ratios
+
+
+def format_table(results: Sequence[Measurement]) -> str:
+    header = ["path", "workload", "GB/s med", "min", "max", "batches/s"]
+    header += [f"vs {label.split()[0]}" for label in ANCHOR_LABELS]
+    rows: list[list[str]] = []
+    notes: list[str] = []
+    for result in results:
+        if not result.ok:
+            rows.append([result.path, result.workload, str(result.error)])
+            continue
+        ratios = _ratios(result, results)
+        rows.append(
+            [
+                result.path,
+                result.workload,
+                f"{result.median_gbps:.2f}",
+                f"{min(result.gbps):.2f}",
+                f"{max(result.gbps):.2f}",
+                f"{result.median_batches_per_s:,.0f}",
+                *("-" if ratio is None else f"{ratio:.2f}x" for ratio in ratios.values()),
+            ]
+        )
+        if result.note:
+            notes.append(f"{result.path} / {result.workload}: {result.note}")
+    widths = [len(h) for h in header]
+    for row in rows:
+        for i, cell in enumerate(row if len(row) == len(header) else row[:2]):
+            widths[i] = max(widths[i], len(cell))
+
+    def line(cells: Sequence[str]) -> str:
+        if len(cells) < len(header):  # an error row: the message spans the numeric columns
+            return f"{cells[0]:<{widths[0]}}  {cells[1]:<{widths[1]}}  {cells[2]}"
+        return "  ".join(
+            f"{cell:<{w}}" if i < 2 else f"{cell:>{w}}"
+            for i, (cell, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    out = [line(header), "  ".join("-" * w for w in widths)]
+    out += [line(row) for row in rows]
+    out += [f"note: {n}" for n in notes]
+    return "\n".join(out)
+
+
+def _machine() -> dict[str, Any]:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {
+        "python": platform.python_version(),
+        "pyarrow": pa.__version__,
+        "cpus": os.cpu_count(),
+        "loadavg": [round(x, 2) for x in load] if load else None,
+    }
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Main
+
+
+def _select(only: str | None) -> list[tuple[str, str, PathFactory]]:
+    if not only:
+        return list(PATHS)
+    chosen: set[str] = set()
+    for selector in (s.strip().lower().replace(" ", "-").replace("_", "-") for s in only.split(",")):
+        if not selector:
+            continue
+        if selector == "anchors":
+            matched = {slug for slug, _, _ in anchors.ANCHORS}
+        else:
+            matched = {slug for slug, _, _ in PATHS if slug.startswith(selector)}
+        if not matched:
+            slugs = ", ".join(slug for slug, _, _ in PATHS)
+            raise SystemExit(f"--only: {selector!r} matches no path (paths: {slugs}, or 'anchors')")
+        chosen |= matched
+    return [path for path in PATHS if path[0] in chosen]
+
+
+def run(
+    paths: Iterable[tuple[str, str, PathFactory]],
+    workloads: Iterable[anchors.Workload],
+    *,
+    repeat: int,
+    warmup: int,
+    timeout: float | None,
+    tmpdir: str | None,
+    results: list[Measurement],
+) -> None:
+    """Measure every path on every workload, appending to ``results`` as it goes."""
+    paths = list(paths)
+    with tempfile.TemporaryDirectory(prefix="dissoc-bench-", dir=tmpdir) as directory:
+        for workload in workloads:
+            _progress(f"# writing {workload.describe()}")
+            dataset = anchors.write_dataset(Path(directory), workload)
+            try:
+                for _slug, label, factory in paths:
+                    _progress(f"  {label} / {workload.name} ...")
+                    result = anchors.measure(
+                        label, dataset, factory, repeat=repeat, warmup=warmup, timeout=timeout
+                    )
+                    if label in _API_USED and not result.note:
+                        result.note = f"client: {_API_USED[label]}"
+                    results.append(result)
+                    if result.ok:
+                        _progress(
+                            f"    {result.median_gbps:.2f} GB/s median "
+                            f"({', '.join(f'{g:.2f}' for g in result.gbps)}), "
+                            f"{result.median_batches_per_s:,.0f} batches/s"
+                        )
+                    else:
+                        _progress(f"    {result.error}")
+            finally:
+                dataset.path.unlink(missing_ok=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Throughput of Arrow data between two processes over loopback, against anchors.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="paths: " + ", ".join(slug for slug, _, _ in PATHS) + " ('anchors' = the first three)",
+    )
+    parser.add_argument("--quick", action="store_true", help="256 MiB large workload, 10k small batches")
+    parser.add_argument("--repeat", type=int, default=5, help="timed transfers per path (default 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed transfers first (default 1)")
+    parser.add_argument("--workload", choices=["large", "small", "both"], default="both")
+    parser.add_argument("--only", metavar="PATH[,PATH]", help="paths (slugs, prefixes, 'anchors')")
+    parser.add_argument("--json", action="store_true", help="JSON on stdout (the table goes to stderr)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per transfer before giving up")
+    parser.add_argument("--tmpdir", help="where to write the dataset (default /dev/shm when it has room)")
+    parser.add_argument(
+        "--dissoc-serve",
+        metavar="CMD",
+        help="command that starts a dissoc server, instead of 'python -m dissoc.cli serve' (split on spaces)",
+    )
+    args = parser.parse_args(argv)
+    if args.dissoc_serve:
+        DISSOC_SERVE[:] = args.dissoc_serve.split()
+    if args.repeat < 1 or args.warmup < 0:
+        parser.error("--repeat must be >= 1 and --warmup >= 0")
+
+    table = anchors.QUICK_WORKLOADS if args.quick else anchors.WORKLOADS
+    workloads = [table[name] for name in (["large", "small"] if args.workload == "both" else [args.workload])]
+    paths = _select(args.only)
+    tmpdir = args.tmpdir or anchors.default_tmpdir(max(w.payload_bytes for w in workloads))
+
+    terminated = False
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        nonlocal terminated
+        terminated = True
+        raise KeyboardInterrupt  # unwinds through the exit stacks: servers are stopped
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    machine = _machine()
+    _progress(
+        f"# python {machine['python']}, pyarrow {machine['pyarrow']}, {machine['cpus']} cpus, "
+        f"load {machine['loadavg']}; repeat {args.repeat} after {args.warmup} warm-up; "
+        f"data in {tmpdir or tempfile.gettempdir()}"
+    )
+    results: list[Measurement] = []
+    interrupted = False
+    try:
+        run(
+            paths,
+            workloads,
+            repeat=args.repeat,
+            warmup=args.warmup,
+            timeout=args.timeout or None,
+            tmpdir=tmpdir,
+            results=results,
+        )
+    except KeyboardInterrupt:
+        interrupted = True
+        _progress("# interrupted: partial results")
+
+    text = format_table(results)
+    if args.json:
+        print(text, file=sys.stderr)
+        report = {
+            "machine": machine,
+            "quick": args.quick,
+            "repeat": args.repeat,
+            "warmup": args.warmup,
+            "workloads": {w.name: w.describe() for w in workloads},
+            "results": [
+                {**r.to_json(), "ratios": {k: v and round(v, 4) for k, v in _ratios(r, results).items()}}
+                for r in results
+            ],
+        }
+        json.dump(report, sys.stdout, indent=2)
+        print()
+    else:
+        print(text)
+    if interrupted:
+        return 143 if terminated else 130
+    return 1 if any(r.error and r.error.startswith("error") for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Transports: one small asyncio interface (:class:`Connection`, :class:`Listener`) and its implementations.
+
+- ``tcp`` (:mod:`dissoc.transport.tcp`): the default, production data path; no extra dependencies.
+- ``mem`` (:mod:`dissoc.transport.memory`): in-process, with fault injection, for tests.
+
+:func:`connect` and :func:`serve` dispatch on a URI scheme.
+"""
+
+from __future__ import annotations
+
+from dissoc.transport.base import (
+    ALIGNMENT,
+    DEFAULT_MAX_BUFFERED_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_POOL,
+    TAG_MASK_ALL,
+    Allocator,
+    BufferLimitError,
+    BufferPool,
+    BytesLike,
+    Connection,
+    FrameError,
+    Handler,
+    Listener,
+    MessageTooLargeError,
+    SendData,
+    TaggedMessage,
+    aligned_empty,
+    connect,
+    default_allocator,
+    register_transport,
+    registered_schemes,
+    serve,
+)
+from dissoc.transport.memory import (
+    Faults,
+    FaultStats,
+    MemoryConnection,
+    MemoryListener,
+    connect_memory,
+    memory_pair,
+    serve_memory,
+)
+from dissoc.transport.tcp import TcpConnection, TcpListener, connect_tcp, serve_tcp
+
+__all__ = [
+    "ALIGNMENT",
+    "DEFAULT_MAX_BUFFERED_BYTES",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_POOL",
+    "TAG_MASK_ALL",
+    "Allocator",
+    "BufferLimitError",
+    "BufferPool",
+    "BytesLike",
+    "Connection",
+    "FaultStats",
+    "Faults",
+    "FrameError",
+    "Handler",
+    "Listener",
+    "MemoryConnection",
+    "MemoryListener",
+    "MessageTooLargeError",
+    "SendData",
+    "TaggedMessage",
+    "TcpConnection",
+    "TcpListener",
+    "aligned_empty",
+    "connect",
+    "connect_memory",
+    "connect_tcp",
+    "default_allocator",
+    "memory_pair",
+    "register_transport",
+    "registered_schemes",
+    "serve",
+    "serve_memory",
+    "serve_tcp",
+]

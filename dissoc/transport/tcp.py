@@ -1,0 +1,660 @@
+"""The TCP transport (scheme ``tcp``): the default data path.
+
+Framing (DESIGN.md section 3): every message is a 24-byte header — u8 kind (1 untagged, 2 tagged), 7 zero
+bytes, u64 LE tag (0 for untagged), u64 LE payload length — followed by the payload.
+
+The socket is non-blocking and driven straight from the event loop (no asyncio streams or transports, which
+copy): a reader callback ``recv_into``'s a small staging buffer and parses frames there; a large payload is
+read straight into its final buffer (from the allocator) once the part already staged is copied over. Sending
+gathers the header and the caller's buffers with ``sendmsg`` and, when the kernel takes only part, waits for
+writability and goes on from where it stopped, never copying a payload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import struct
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from dissoc.errors import DissocError, TransportError
+from dissoc.transport.base import (
+    DEFAULT_MAX_BUFFERED_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_POOL,
+    Allocator,
+    Connection,
+    FrameError,
+    Handler,
+    Listener,
+    MessageTooLargeError,
+    _fresh,
+    register_transport,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = [
+    "HEADER_SIZE",
+    "KIND_TAGGED",
+    "KIND_UNTAGGED",
+    "TcpConnection",
+    "TcpListener",
+    "connect_tcp",
+    "decode_header",
+    "encode_header",
+    "serve_tcp",
+]
+
+logger = logging.getLogger(__name__)
+
+HEADER_SIZE = 24
+KIND_UNTAGGED = 1
+KIND_TAGGED = 2
+
+# The first u64 holds the kind in its low byte and the seven padding bytes above it, so a valid frame has
+# a first word of exactly 1 or 2.
+_HEADER = struct.Struct("<QQQ")
+
+_STAGING_BYTES = 256 * 1024
+# A payload with at least this much left to read is read straight into its final buffer.
+_DIRECT_READ_MIN = 64 * 1024
+# SO_RCVLOWAT while a large payload is read (see TcpConnection._set_low_water).
+_LOW_WATER = 1024 * 1024
+# Bytes one reader callback may consume before yielding to other tasks.
+_READ_BUDGET = 16 * 1024 * 1024
+# sendmsg accepts at most IOV_MAX buffers (1024 on Linux).
+_IOV_MAX = 1024
+
+
+def encode_header(tagged: bool, tag: int, length: int) -> bytes:
+    """The 24-byte frame header of a message."""
+    return _HEADER.pack(KIND_TAGGED if tagged else KIND_UNTAGGED, tag, length)
+
+
+def decode_header(
+    header: Buffer, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> tuple[bool, int, int]:
+    """Parse and check a 24-byte frame header: ``(tagged, tag, length)``; raises :class:`FrameError` or
+    :class:`MessageTooLargeError`."""
+    first, tag, length = _HEADER.unpack_from(header)
+    _check_header(first, tag, length, max_message_bytes, "")
+    return first == KIND_TAGGED, tag, length
+
+
+def _check_header(first: int, tag: int, length: int, max_message_bytes: int, where: str) -> None:
+    if first != KIND_TAGGED and first != KIND_UNTAGGED:
+        kind = first & 0xFF
+        if kind in (KIND_UNTAGGED, KIND_TAGGED):
+            padding = (first >> 8).to_bytes(7, "little").hex()
+            raise FrameError(
+                f"{where}frame corrupt: expected 7 zero padding bytes after the kind, got {padding}"
+            )
+        raise FrameError(
+            f"{where}frame corrupt: expected frame kind {KIND_UNTAGGED} (untagged) or {KIND_TAGGED} "
+            f"(tagged), got {kind}"
+        )
+    if first == KIND_UNTAGGED and tag != 0:
+        raise FrameError(f"{where}frame corrupt: an untagged frame must carry tag 0, got {tag:#018x}")
+    if length > max_message_bytes:
+        what = f"tagged message {tag:#018x}" if first == KIND_TAGGED else "untagged message"
+        raise MessageTooLargeError(
+            f"{where}the peer announced a {what} of {length} bytes; the limit (max_message_bytes) is "
+            f"{max_message_bytes}"
+        )
+
+
+def _configure_socket(sock: socket.socket, sndbuf: int | None, rcvbuf: int | None) -> None:
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sndbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _endpoint(address: Any) -> str:
+    if isinstance(address, tuple) and len(address) >= 2:
+        host = str(address[0])
+        return f"[{host}]:{address[1]}" if ":" in host else f"{host}:{address[1]}"
+    return str(address)
+
+
+class TcpConnection(Connection):
+    """A :class:`Connection` over a connected stream socket (TCP, or a Unix socket pair for tests).
+
+    Build it inside a running event loop from a connected socket; it becomes non-blocking and owned by the
+    connection. Most code gets one from :func:`connect_tcp` or from a :func:`serve_tcp` handler.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+        allocator: Allocator | None = None,
+        staging_bytes: int = _STAGING_BYTES,
+    ) -> None:
+        try:
+            local, remote = _endpoint(sock.getsockname()), _endpoint(sock.getpeername())
+        except OSError:
+            local, remote = "?", "?"
+        super().__init__(
+            max_message_bytes=max_message_bytes,
+            max_buffered_bytes=max_buffered_bytes,
+            allocator=allocator,
+            description=f"tcp {local}->{remote}",
+        )
+        if staging_bytes < HEADER_SIZE:
+            raise ValueError(f"staging_bytes must be at least {HEADER_SIZE}, got {staging_bytes}")
+        self._loop = asyncio.get_running_loop()
+        sock.setblocking(False)
+        self._sock = sock
+        self._fd = sock.fileno()
+        # receiving
+        self._stage = bytearray(staging_bytes)
+        self._stage_view = memoryview(self._stage)
+        self._rpos = 0
+        self._wpos = 0
+        self._header: tuple[int, int, int] | None = None  # parsed, waiting for admission
+        self._target: memoryview | None = None  # payload being filled
+        self._target_obj: Any = None
+        self._target_tagged = False
+        self._target_tag = 0
+        self._target_len = 0
+        self._filled = 0
+        self._paused = False
+        self._resume_scheduled = False
+        self._low_water = 1
+        # sending
+        self._sending = False
+        self._send_waiters: deque[asyncio.Future[None]] = deque()
+        self._write_waiter: asyncio.Future[None] | None = None
+        self._send_error: TransportError | None = None
+        self._loop.add_reader(self._fd, self._on_readable)
+        logger.debug("%s open", self._description)
+
+    # ------------------------------------------------------------------------------------------------ sending
+
+    async def _send_frame(self, tagged: bool, tag: int, views: list[memoryview], total: int) -> None:
+        pieces = [memoryview(_HEADER.pack(KIND_TAGGED if tagged else KIND_UNTAGGED, tag, total))]
+        pieces.extend(views)
+        if self._sending or self._send_waiters:
+            await self._acquire_send()
+        else:
+            self._sending = True
+        try:
+            if self._closed:
+                raise self._closed_error("cannot send")
+            if self._send_error is not None:
+                raise _fresh(self._send_error)
+            await self._send_all(pieces, total + HEADER_SIZE)
+        finally:
+            self._release_send()
+
+    async def _acquire_send(self) -> None:
+        """Wait for the turn to send (frames of concurrent senders must not interleave); FIFO."""
+        future: asyncio.Future[None] = self._loop.create_future()
+        self._send_waiters.append(future)
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self._release_send()  # the turn was handed to us: pass it on
+            else:
+                with contextlib.suppress(ValueError):
+                    self._send_waiters.remove(future)
+            raise
+
+    def _release_send(self) -> None:
+        waiters = self._send_waiters
+        while waiters:
+            future = waiters.popleft()
+            if not future.done():
+                future.set_result(None)  # hand the turn over directly; _sending stays True
+                return
+        self._sending = False
+
+    async def _send_all(self, pieces: list[memoryview], total: int) -> None:
+        sock = self._sock
+        count = len(pieces)
+        first = 0
+        done = 0
+        while first < count:
+            try:
+                if first == 0 and count <= _IOV_MAX:
+                    sent = sock.sendmsg(pieces)
+                else:
+                    sent = sock.sendmsg(pieces[first : first + _IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                try:
+                    await self._wait_writable()
+                except asyncio.CancelledError:
+                    if done:
+                        self._teardown(
+                            TransportError(
+                                f"{self._description}: a send was cancelled after {done} of {total} bytes "
+                                "of its frame; the stream cannot be resumed"
+                            )
+                        )
+                    raise
+                continue
+            except OSError as exc:
+                # Only the sending side is broken: the reader goes on until it sees the end of the stream, so
+                # messages the peer sent before it went away are not lost.
+                self._send_error = TransportError(
+                    f"{self._description}: sending failed after {done} of {total} bytes of a frame: {exc}"
+                )
+                logger.debug("%s", self._send_error)
+                raise _fresh(self._send_error) from exc
+            done += sent
+            while first < count:
+                size = len(pieces[first])
+                if sent >= size:
+                    sent -= size
+                    first += 1
+                else:
+                    if sent:
+                        pieces[first] = pieces[first][sent:]
+                    break
+
+    async def _wait_writable(self) -> None:
+        if self._closed:
+            raise self._closed_error("cannot send")
+        future: asyncio.Future[None] = self._loop.create_future()
+        self._write_waiter = future
+        self._loop.add_writer(self._fd, _wake, future)
+        try:
+            await future
+        finally:
+            self._write_waiter = None
+            if not self._closed:
+                self._loop.remove_writer(self._fd)
+
+    # ---------------------------------------------------------------------------------------------- receiving
+
+    def _on_readable(self) -> None:
+        try:
+            self._read()
+        finally:
+            if not self._closed:
+                self._set_low_water()
+
+    def _set_low_water(self) -> None:
+        """Have the kernel wake the reader only once a good part of a large payload is there.
+
+        While a large payload is read straight into its buffer, SO_RCVLOWAT asks for at least
+        min(remaining, 1 MiB) before the socket counts as readable: fewer, larger reads and far fewer trips
+        through the event loop. Between payloads it is 1 (any byte of a header matters). The kernel caps the
+        value to what the receive buffer can hold.
+        """
+        target = self._target
+        remaining = self._target_len - self._filled if target is not None else 0
+        low_water = min(remaining, _LOW_WATER) if remaining >= _DIRECT_READ_MIN else 1
+        if low_water != self._low_water:
+            self._low_water = low_water
+            with contextlib.suppress(OSError):
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, low_water)
+
+    def _read(self) -> None:
+        sock = self._sock
+        budget = _READ_BUDGET
+        try:
+            while True:
+                target = self._target
+                if target is not None and self._target_len - self._filled >= _DIRECT_READ_MIN:
+                    want = self._target_len - self._filled
+                    n = sock.recv_into(target[self._filled :], want)
+                    if n == 0:
+                        self._on_eof()
+                        return
+                    self._filled += n
+                    if self._filled == self._target_len:
+                        self._finish_target()
+                else:
+                    want = len(self._stage) - self._wpos
+                    n = sock.recv_into(self._stage_view[self._wpos :], want)
+                    if n == 0:
+                        self._on_eof()
+                        return
+                    self._wpos += n
+                    self._process()
+                    if self._paused or self._closed:
+                        return
+                budget -= n
+                if n < want or budget <= 0:
+                    return
+        except (BlockingIOError, InterruptedError):
+            return
+        except DissocError as exc:
+            self._teardown(exc)
+        except OSError as exc:
+            self._teardown(TransportError(f"{self._description}: receiving failed {self._position()}: {exc}"))
+        except Exception as exc:
+            logger.exception("%s: unexpected error in the reader", self._description)
+            self._teardown(TransportError(f"{self._description}: internal error in the reader: {exc!r}"))
+
+    def _process(self) -> None:
+        """Parse the staged bytes: deliver complete messages, start the payload of the next one."""
+        stage = self._stage
+        view = self._stage_view
+        rpos = self._rpos
+        wpos = self._wpos
+        try:
+            while True:
+                target = self._target
+                if target is not None:
+                    need = self._target_len - self._filled
+                    take = wpos - rpos if wpos - rpos < need else need
+                    if take:
+                        target[self._filled : self._filled + take] = view[rpos : rpos + take]
+                        self._filled += take
+                        rpos += take
+                    if take < need:
+                        break
+                    self._finish_target()
+                header = self._header
+                if header is None:
+                    if wpos - rpos < HEADER_SIZE:
+                        break
+                    first, tag, length = _HEADER.unpack_from(stage, rpos)
+                    if first != KIND_UNTAGGED or tag != 0 or length > self._max_message_bytes:
+                        _check_header(first, tag, length, self._max_message_bytes, f"{self._description}: ")
+                    rpos += HEADER_SIZE
+                    header = (first, tag, length)
+                else:
+                    first, tag, length = header
+                tagged = first == KIND_TAGGED
+                if not self._admit(tagged, tag, length):
+                    self._header = header
+                    self._pause()
+                    break
+                self._header = None
+                if not tagged and wpos - rpos >= length:
+                    self._deliver_untagged(bytes(view[rpos : rpos + length]))
+                    rpos += length
+                    continue
+                if tagged:
+                    obj, target = self._allocate(tag, length)
+                else:
+                    obj = DEFAULT_POOL.allocate(length)
+                    target = obj.data
+                self._target_obj = obj
+                self._target = target
+                self._target_tagged = tagged
+                self._target_tag = tag
+                self._target_len = length
+                self._filled = 0
+        finally:
+            if rpos == wpos:
+                rpos = wpos = 0
+            elif rpos:
+                view[: wpos - rpos] = view[rpos:wpos]
+                wpos -= rpos
+                rpos = 0
+            self._rpos = rpos
+            self._wpos = wpos
+
+    def _finish_target(self) -> None:
+        obj = self._target_obj
+        self._target = None
+        self._target_obj = None
+        if self._target_tagged:
+            self._deliver_tagged(self._target_tag, obj, self._target_len)
+        else:
+            self._deliver_untagged(memoryview(obj))
+
+    def _position(self) -> str:
+        if self._target is not None:
+            what = (
+                f"tagged message {self._target_tag:#018x}" if self._target_tagged else "an untagged message"
+            )
+            return f"in the middle of {what} ({self._filled} of {self._target_len} payload bytes received)"
+        if self._header is not None:
+            first, tag, length = self._header
+            what = f"tagged message {tag:#018x}" if first == KIND_TAGGED else "an untagged message"
+            return f"before the payload of {what} ({length} bytes announced)"
+        if self._wpos > self._rpos:
+            staged = self._wpos - self._rpos
+            return f"in the middle of a frame ({staged} bytes staged, at least {HEADER_SIZE} expected)"
+        return "between frames"
+
+    def _on_eof(self) -> None:
+        position = self._position()
+        if position == "between frames":
+            self._teardown(TransportError(f"{self._description}: the peer closed the connection"))
+        else:
+            self._teardown(TransportError(f"{self._description}: the peer closed the connection {position}"))
+
+    def _pause(self) -> None:
+        if not self._paused:
+            self._paused = True
+            self._loop.remove_reader(self._fd)
+            logger.debug(
+                "%s: %d bytes unclaimed (budget %d); reading paused",
+                self._description,
+                self._buffered,
+                self._max_buffered_bytes,
+            )
+
+    def _on_flow(self) -> None:
+        if self._paused and not self._resume_scheduled and not self._closed:
+            self._resume_scheduled = True
+            self._loop.call_soon(self._try_resume)
+
+    def _try_resume(self) -> None:
+        self._resume_scheduled = False
+        if not self._paused or self._closed or self._header is None:
+            return
+        first, tag, length = self._header
+        try:
+            if not self._admit(first == KIND_TAGGED, tag, length):
+                return
+            self._paused = False
+            self._loop.add_reader(self._fd, self._on_readable)
+            logger.debug("%s: reading resumed", self._description)
+            self._process()
+        except DissocError as exc:
+            self._teardown(exc)
+        if not self._closed:
+            self._set_low_water()
+
+    # ------------------------------------------------------------------------------------------------ closing
+
+    def _teardown(self, exc: DissocError) -> None:
+        """Fail the inbox with ``exc`` and release the socket (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._fail(exc)
+        if isinstance(exc, FrameError | MessageTooLargeError):
+            logger.warning("%s", exc)
+        else:
+            logger.debug("%s torn down: %s", self._description, exc)
+        self._loop.remove_reader(self._fd)
+        self._loop.remove_writer(self._fd)
+        waiter = self._write_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(self._closed_error("cannot send"))
+        self._target = None
+        self._target_obj = None
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    async def _close_transport(self) -> None:
+        if self._error is not None:
+            self._teardown(self._error)
+
+
+class TcpListener(Listener):
+    """A listening TCP socket that runs a handler for each accepted :class:`TcpConnection`."""
+
+    scheme = "tcp"
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        handler: Handler,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+        allocator: Allocator | None = None,
+        sndbuf: int | None = None,
+        rcvbuf: int | None = None,
+    ) -> None:
+        super().__init__(handler)
+        self._loop = asyncio.get_running_loop()
+        self._sock = sock
+        self._limits: dict[str, Any] = {
+            "max_message_bytes": max_message_bytes,
+            "max_buffered_bytes": max_buffered_bytes,
+            "allocator": allocator,
+        }
+        self._sndbuf = sndbuf
+        self._rcvbuf = rcvbuf
+        name = sock.getsockname()
+        self._host = str(name[0])
+        self._port = int(name[1])
+        sock.setblocking(False)
+        self._loop.add_reader(sock.fileno(), self._on_accept)
+        logger.debug("listening on %s", self.address)
+
+    @property
+    def host(self) -> str:
+        """The bound address."""
+        return self._host
+
+    @property
+    def port(self) -> int:
+        """The bound port."""
+        return self._port
+
+    @property
+    def sockets(self) -> tuple[socket.socket, ...]:
+        """The listening socket(s)."""
+        return (self._sock,)
+
+    def _on_accept(self) -> None:
+        for _ in range(64):
+            try:
+                conn_sock, _address = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                logger.warning("accepting on %s failed: %s", self.address, exc)
+                return
+            try:
+                _configure_socket(conn_sock, self._sndbuf, self._rcvbuf)
+                connection = TcpConnection(conn_sock, **self._limits)
+            except (OSError, ValueError) as exc:
+                logger.warning("could not set up an accepted connection on %s: %s", self.address, exc)
+                conn_sock.close()
+                continue
+            logger.debug("accepted %s", connection.description)
+            self._start_handler(connection)
+
+    def _stop_accepting(self) -> None:
+        self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+        logger.debug("stopped listening on %s", self.address)
+
+
+async def serve_tcp(
+    host: str,
+    port: int,
+    handler: Handler,
+    *,
+    backlog: int = 128,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+    allocator: Allocator | None = None,
+    sndbuf: int | None = None,
+    rcvbuf: int | None = None,
+) -> TcpListener:
+    """Listen on ``host:port`` (port 0 picks a free one) and run ``handler(connection)`` per connection.
+
+    ``sndbuf``/``rcvbuf`` set the kernel socket buffer sizes (default: the kernel's autotuning).
+    """
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _kind, _proto, _name, address = infos[0]
+        sock = socket.create_server(address, family=family, backlog=backlog, reuse_port=False)
+    except OSError as exc:
+        raise TransportError(f"cannot listen on tcp://{host}:{port}: {exc}") from exc
+    try:
+        # Buffer sizes set on the listening socket are inherited by accepted ones (and must be set before the
+        # handshake for window scaling).
+        if sndbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+        if rcvbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        return TcpListener(
+            sock,
+            handler,
+            max_message_bytes=max_message_bytes,
+            max_buffered_bytes=max_buffered_bytes,
+            allocator=allocator,
+            sndbuf=sndbuf,
+            rcvbuf=rcvbuf,
+        )
+    except BaseException:
+        sock.close()
+        raise
+
+
+async def connect_tcp(
+    host: str,
+    port: int,
+    *,
+    timeout: float | None = 10.0,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+    allocator: Allocator | None = None,
+    sndbuf: int | None = None,
+    rcvbuf: int | None = None,
+) -> TcpConnection:
+    """Connect to ``host:port``; raises :class:`~dissoc.errors.TransportError` on failure or timeout."""
+    loop = asyncio.get_running_loop()
+    where = f"tcp://{host}:{port}"
+    last: OSError | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            for family, kind, proto, _name, address in infos:
+                sock = socket.socket(family, kind, proto)
+                try:
+                    sock.setblocking(False)
+                    _configure_socket(sock, sndbuf, rcvbuf)
+                    await loop.sock_connect(sock, address)
+                except OSError as exc:
+                    sock.close()
+                    last = exc
+                    continue
+                except BaseException:
+                    sock.close()
+                    raise
+                return TcpConnection(
+                    sock,
+                    max_message_bytes=max_message_bytes,
+                    max_buffered_bytes=max_buffered_bytes,
+                    allocator=allocator,
+                )
+    except TimeoutError as exc:
+        raise TransportError(f"connecting to {where} timed out after {timeout} s") from exc
+    except OSError as exc:
+        raise TransportError(f"cannot connect to {where}: {exc}") from exc
+    raise TransportError(f"cannot connect to {where}: {last or 'no address found'}") from last
+
+
+register_transport("tcp", connect_tcp, serve_tcp)
