@@ -24,26 +24,36 @@ log = logging.getLogger("dissoc")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dissoc", description="Arrow Dissociated IPC: serve and fetch Arrow data.")
+    p = argparse.ArgumentParser(
+        prog="dissoc", description="Arrow Dissociated IPC: serve and fetch Arrow data."
+    )
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging on stderr (-v, -vv)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="serve Arrow IPC / Parquet files, each under the ticket of its file stem")
-    s.add_argument("paths", nargs="+", metavar="PATH", help="Arrow IPC file or stream, Parquet file or directory")
+    s = sub.add_parser(
+        "serve", help="serve Arrow IPC / Parquet files, each under the ticket of its file stem"
+    )
+    s.add_argument(
+        "paths", nargs="+", metavar="PATH", help="Arrow IPC file or stream, Parquet file or directory"
+    )
     s.add_argument("--transport", choices=["tcp", "ucx"], default="tcp")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=0, help="metadata (or combined) port; 0 picks a free one")
     s.add_argument("--data-port", type=int, default=0, help="data port with --split; 0 picks a free one")
     s.add_argument("--split", action="store_true", help="metadata and data streams on two servers")
     s.add_argument("--body", choices=["packed", "pairs"], default="packed")
-    s.add_argument("--memory", choices=["shm", "ucx", "cuda"], default=None, help="what pair addresses point at")
+    s.add_argument(
+        "--memory", choices=["shm", "ucx", "cuda"], default=None, help="what pair addresses point at"
+    )
     s.add_argument("--compression", choices=["lz4", "zstd"], default=None)
 
     g = sub.add_parser("get", help="fetch one stream; prints a JSON summary")
     g.add_argument("uri", help="metadata URI, e.g. tcp://HOST:PORT?want_data=N")
     g.add_argument("ticket")
     g.add_argument("--data-uri", default=None, help="data URI when the servers are split")
-    g.add_argument("-o", "--output", default=None, help="write an Arrow IPC file (.arrow) or stream (.arrows)")
+    g.add_argument(
+        "-o", "--output", default=None, help="write an Arrow IPC file (.arrow) or stream (.arrows)"
+    )
     g.add_argument("--timeout", type=float, default=30.0)
     g.add_argument("--no-progress", action="store_true")
     return p
@@ -147,7 +157,7 @@ async def _get(args: argparse.Namespace) -> int:
             writer.close()
         progress.done()
     seconds = time.perf_counter() - started
-    summary = {
+    summary: dict[str, Any] = {
         "rows": stats.rows,
         "batches": stats.batches,
         "bytes": nbytes,

@@ -14,6 +14,7 @@ and the transport stops reading from the socket beyond its own budget, so a slow
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -25,6 +26,7 @@ import pyarrow as pa
 from dissoc.codec import MessageDecoder, has_body, parse
 from dissoc.errors import DissocError, ProtocolError, RemoteError, TransportError
 from dissoc.protocol import (
+    BODY_ERROR,
     BODY_PACKED,
     ClientStream,
     MessageReady,
@@ -37,7 +39,15 @@ from dissoc.protocol.framing import ErrorMessage
 from dissoc.transport import Connection, connect
 from dissoc.uri import DissocURI
 
-__all__ = ["ClientOptions", "FetchStats", "StreamReader", "fetch", "fetch_async", "open_stream", "stream_batches"]
+__all__ = [
+    "ClientOptions",
+    "FetchStats",
+    "StreamReader",
+    "fetch",
+    "fetch_async",
+    "open_stream",
+    "stream_batches",
+]
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +91,9 @@ def _as_uri(uri: str | DissocURI) -> DissocURI:
 class _Session:
     """One stream's state on the client: connections, the sans-IO stream, the decoder, flow control."""
 
-    def __init__(self, meta_uri: DissocURI, data_uri: DissocURI, ticket: bytes, options: ClientOptions) -> None:
+    def __init__(
+        self, meta_uri: DissocURI, data_uri: DissocURI, ticket: bytes, options: ClientOptions
+    ) -> None:
         self.meta_uri = meta_uri
         self.data_uri = data_uri
         self.split = (meta_uri.scheme, meta_uri.host, meta_uri.port) != (
@@ -93,7 +105,9 @@ class _Session:
         self.options = options
         self.stream = ClientStream(has_body, window=options.window, max_pending_bytes=1 << 62)
         self.decoder = MessageDecoder(validate=options.validate)
-        self.ready: asyncio.Queue[MessageReady | SchemaReceived | StreamEnded | BaseException] = asyncio.Queue()
+        self.ready: asyncio.Queue[MessageReady | SchemaReceived | StreamEnded | BaseException] = (
+            asyncio.Queue()
+        )
         self.in_flight = 0
         self.flow = asyncio.Event()  # set whenever in-flight bytes drop or batches are released
         self.flow.set()
@@ -127,8 +141,6 @@ class _Session:
         loop = asyncio.get_running_loop()
         self.tasks.append(loop.create_task(self._guard(self._read_metadata(meta))))
         self.tasks.append(loop.create_task(self._guard(self._read_bodies(data))))
-        if self.split:
-            self.tasks.append(loop.create_task(self._guard(self._read_data_errors(data))))
 
     async def _guard(self, coro: Any) -> None:
         try:
@@ -174,20 +186,16 @@ class _Session:
                 self.flow.clear()
                 await self.flow.wait()
             msg = await self._recv("a body", lambda: conn.recv_tagged(0, 0))
+            if msg.tag >> 56 == BODY_ERROR:
+                err = decode_stream_message(msg.view())
+                if isinstance(err, ErrorMessage):
+                    raise RemoteError(err.code, err.message)
+                raise ProtocolError(f"data stream: an error tag carried a {type(err).__name__}, not an error")
             seq = msg.tag & 0xFFFFFFFF
             await self._wait_window(seq)
             n = msg.view().nbytes
             self.in_flight += n
             self._publish(self.stream.receive_body(msg.tag, msg.payload, n))
-
-    async def _read_data_errors(self, conn: Connection) -> None:
-        """Split layout: the data server reports a failure as an untagged error message."""
-        while True:
-            buf = await conn.recv()
-            msg = decode_stream_message(buf)
-            if isinstance(msg, ErrorMessage):
-                raise RemoteError(msg.code, msg.message)
-            raise ProtocolError(f"data stream: expected only tagged bodies, got an untagged {type(msg).__name__}")
 
     def decode(self, ev: MessageReady | SchemaReceived) -> pa.RecordBatch | None:
         if isinstance(ev, SchemaReceived):
@@ -212,15 +220,11 @@ class _Session:
         for t in self.tasks:
             t.cancel()
         for t in self.tasks:
-            try:
+            with contextlib.suppress(BaseException):  # cancelled, or already reported to the consumer
                 await t
-            except BaseException:  # noqa: S110 - cancelled or already reported
-                pass
         for c in self.conns:
-            try:
+            with contextlib.suppress(DissocError):
                 await c.close()
-            except DissocError:
-                pass
 
 
 async def stream_batches(
@@ -246,7 +250,11 @@ async def stream_batches(
             if isinstance(ev, StreamEnded):
                 return
             batch = session.decode(ev)
-            if isinstance(ev, SchemaReceived) and on_schema is not None and session.decoder.schema is not None:
+            if (
+                isinstance(ev, SchemaReceived)
+                and on_schema is not None
+                and session.decoder.schema is not None
+            ):
                 on_schema(session.decoder.schema)
             if batch is not None:
                 yield batch
@@ -270,7 +278,10 @@ async def fetch_async(
     """Fetch a whole stream as a ``pa.Table``."""
     schema: list[pa.Schema] = []
     batches = [
-        b async for b in stream_batches(uri, ticket, data_uri=data_uri, options=options, on_schema=schema.append)
+        b
+        async for b in stream_batches(
+            uri, ticket, data_uri=data_uri, options=options, on_schema=schema.append
+        )
     ]
     return pa.Table.from_batches(batches, schema=schema[0] if schema else None)
 
@@ -306,7 +317,7 @@ def fetch(
     options: ClientOptions | None = None,
 ) -> pa.Table:
     """Fetch a whole stream as a ``pa.Table`` (synchronous)."""
-    return _run(lambda: fetch_async(uri, ticket, data_uri=data_uri, options=options))  # type: ignore[no-any-return]
+    return _run(lambda: fetch_async(uri, ticket, data_uri=data_uri, options=options))
 
 
 class StreamReader:

@@ -34,7 +34,9 @@ def make_table(rows: int, seed: int = 7) -> pa.Table:
             ),
             "distance_km": pa.array(rng.gamma(2.0, 2.5, rows)),
             "fare": pa.array(np.round(rng.gamma(3.0, 6.0, rows), 2), mask=rng.random(rows) < 0.01),
-            "zone": pa.DictionaryArray.from_arrays(pa.array(rng.integers(0, 265, rows).astype(np.int16)), zones),
+            "zone": pa.DictionaryArray.from_arrays(
+                pa.array(rng.integers(0, 265, rows).astype(np.int16)), zones
+            ),
             "note": pa.array([None if i % 7 else f"trip {i}" for i in range(rows)], pa.string()),
         }
     )
@@ -59,8 +61,12 @@ def _fetch(info: dict[str, str]) -> tuple[pa.Table, FetchStats, float]:
     stats = FetchStats()
 
     async def run() -> pa.Table:
-        batches = [b async for b in stream_batches(info["uri"], info["ticket"], data_uri=info["data_uri"],
-                                                   options=ClientOptions(), stats=stats)]
+        batches = [
+            b
+            async for b in stream_batches(
+                info["uri"], info["ticket"], data_uri=info["data_uri"], options=ClientOptions(), stats=stats
+            )
+        ]
         return pa.Table.from_batches(batches)
 
     t0 = time.perf_counter()
@@ -79,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(tmp) / "trips.arrow"
         with codec.new_file(path, table.schema) as writer:
             writer.write_table(table, max_chunksize=args.batch_rows)
-        print(f"dataset: {table.num_rows:,} rows, {table.nbytes / 1e6:,.1f} MB in memory, "
-              f"written with dissoc's codec to {path.name} ({path.stat().st_size / 1e6:,.1f} MB)")
+        print(
+            f"dataset: {table.num_rows:,} rows, {table.nbytes / 1e6:,.1f} MB in memory, "
+            f"written with dissoc's codec to {path.name} ({path.stat().st_size / 1e6:,.1f} MB)"
+        )
         ok = True
         for split in (False, True):
             proc, info = _start_server(path, split)
@@ -90,9 +98,12 @@ def main(argv: list[str] | None = None) -> int:
                 got, stats, seconds = _fetch(info)
                 same = got.equals(table.combine_chunks()) or got.equals(table)
                 ok &= same
-                print(f"  fetched {stats.rows:,} rows in {stats.batches} batches, {stats.bytes / 1e6:,.1f} MB of "
-                      f"bodies in {seconds * 1e3:,.1f} ms = {stats.bytes / seconds / 1e9:.2f} GB/s; "
-                      f"identical to the source: {same}")
+                print(
+                    f"  fetched {stats.rows:,} rows in {stats.batches} batches, "
+                    f"{stats.bytes / 1e6:,.1f} MB of "
+                    f"bodies in {seconds * 1e3:,.1f} ms = {stats.bytes / seconds / 1e9:.2f} GB/s; "
+                    f"identical to the source: {same}"
+                )
             finally:
                 proc.terminate()
                 proc.wait(10)

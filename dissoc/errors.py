@@ -1,8 +1,8 @@
 """The one exception family that dissoc raises.
 
 Everything that goes wrong because of data from outside (the wire, a file, a peer) surfaces as a subclass of
-:class:`DissocError`. Backend exceptions (socket errors, UCX errors, flatbuffers index errors) are translated at
-the edge of the layer that meets them.
+:class:`DissocError`. Backend exceptions (socket errors, UCX errors, flatbuffers index errors) are
+translated at the edge of the layer that meets them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class CodecError(DissocError, ValueError):
 
 
 class ProtocolError(DissocError):
-    """A peer broke the Dissociated IPC rules (bad prefix, reserved tag bits, sequence gap or duplicate, ...)."""
+    """A peer broke the Dissociated IPC rules (bad prefix, reserved tag bits, sequence gap, duplicate...)."""
 
 
 class TransportError(DissocError):

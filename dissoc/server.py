@@ -1,8 +1,8 @@
-"""``dissoc.Server``: serve named datasets over Dissociated IPC, combined or split, as an async context manager.
+"""``dissoc.Server``: serve named datasets over Dissociated IPC, combined or split (async context manager).
 
-    async with dissoc.Server({"trips": table}) as server:
-        print(server.uri)              # tcp://127.0.0.1:PORT?want_data=...
-        await server.serve_forever()
+async with dissoc.Server({"trips": table}) as server:
+    print(server.uri)              # tcp://127.0.0.1:PORT?want_data=...
+    await server.serve_forever()
 """
 
 from __future__ import annotations
@@ -57,12 +57,18 @@ class Server:
         self._servers: list[RoleServer]
         if split:
             self._servers = [
-                MetadataServer(self.catalog, options, transport=transport, host=host, port=port, **transport_options),
-                DataServer(self.catalog, options, transport=transport, host=host, port=data_port, **transport_options),
+                MetadataServer(
+                    self.catalog, options, transport=transport, host=host, port=port, **transport_options
+                ),
+                DataServer(
+                    self.catalog, options, transport=transport, host=host, port=data_port, **transport_options
+                ),
             ]
         else:
             self._servers = [
-                CombinedServer(self.catalog, options, transport=transport, host=host, port=port, **transport_options)
+                CombinedServer(
+                    self.catalog, options, transport=transport, host=host, port=port, **transport_options
+                )
             ]
         self._closed = asyncio.Event()
 

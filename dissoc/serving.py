@@ -19,7 +19,7 @@ import pyarrow as pa
 from dissoc.codec import MessageEncoder, iter_messages
 from dissoc.datasets import Catalog, Dataset, IpcFileDataset, IpcStreamDataset, TableDataset
 from dissoc.errors import DissocError, TransportError
-from dissoc.protocol import ServerStream, encode_error, fmt_seq, fmt_tag
+from dissoc.protocol import ERROR_TAG, ServerStream, encode_error, fmt_seq, fmt_tag
 from dissoc.transport import Connection, Listener, serve
 from dissoc.uri import DissocURI
 
@@ -77,12 +77,13 @@ def _stored_messages(dataset: Dataset) -> Iterator[tuple[Any, list[Any], bool]] 
     else:
         return None
     return (
-        (meta, [body], msg.has_body)
-        for msg, meta, body in iter_messages(source, file_format=file_format)
+        (meta, [body], msg.has_body) for msg, meta, body in iter_messages(source, file_format=file_format)
     )
 
 
-async def _encoded_messages(dataset: Dataset, options: ServeOptions) -> AsyncIterator[tuple[Any, list[Any], bool]]:
+async def _encoded_messages(
+    dataset: Dataset, options: ServeOptions
+) -> AsyncIterator[tuple[Any, list[Any], bool]]:
     """(metadata, body buffers, has body) for every message of the dataset's stream, schema first."""
     stored = _stored_messages(dataset)
     if stored is not None:
@@ -125,8 +126,18 @@ async def stream_dataset(conn: Connection, role: Role, dataset: Dataset, options
     except (DissocError, pa.ArrowException, OSError, ValueError) as e:
         # The dataset or its encoding failed: tell the client on the stream, which then ends.
         log.warning("%s stream of %r failed: %s", role.value, dataset.name, e)
-        await conn.send(_error(stream, "stream_failed", f"serving {dataset.name!r} failed: {e}"))
+        await _send_error(
+            conn, role, _error(stream, "stream_failed", f"serving {dataset.name!r} failed: {e}")
+        )
         return stream.next_seq
+
+
+async def _send_error(conn: Connection, role: Role, message: bytes) -> None:
+    """Errors go on the metadata stream; a data-only connection carries them as a tagged ERROR_TAG message."""
+    if role is Role.DATA:
+        await conn.send_tagged(ERROR_TAG, message)
+    else:
+        await conn.send(message)
 
 
 def _error(stream: ServerStream, code: str, message: str) -> bytes:
@@ -137,7 +148,7 @@ def _error(stream: ServerStream, code: str, message: str) -> bytes:
 
 
 async def serve_connection(conn: Connection, role: Role, catalog: Catalog, options: ServeOptions) -> None:
-    """One connection's life: wait for want_data, answer with the stream, wait again, until the peer leaves."""
+    """A connection's life: wait for want_data, answer with the stream, wait again, until the peer leaves."""
     while True:
         try:
             request = await conn.recv_tagged(options.want_data)
@@ -148,7 +159,7 @@ async def serve_connection(conn: Connection, role: Role, catalog: Catalog, optio
         try:
             dataset = catalog.get(ticket)
         except DissocError as e:
-            await conn.send(encode_error(0, "unknown_ticket", str(e)))
+            await _send_error(conn, role, encode_error(0, "unknown_ticket", str(e)))
             continue
         await stream_dataset(conn, role, dataset, options)
 

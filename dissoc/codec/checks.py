@@ -118,6 +118,10 @@ def check_node(
             clen = np.asarray(child_lengths, np.int64)[child]
             if bool(((offs < 0) | (offs >= clen)).any()):
                 raise CodecError(f"{name}: a dense union offset points outside its child")
+            for k in range(len(codes)):
+                mine = offs[child == k]
+                if mine.size > 1 and bool((np.diff(mine) < 0).any()):
+                    raise CodecError(f"{name}: dense union offsets into child {k} must not decrease")
     elif lay == Layout.RUN_END:
         pass  # checked on the run ends child, which knows the parent's length through child_lengths
     if plan.dict_id >= 0:

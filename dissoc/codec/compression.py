@@ -19,6 +19,8 @@ __all__ = ["CODECS", "compress_buffer", "decompress_buffer"]
 
 CODECS = {"lz4": 0, "lz4_frame": 0, "zstd": 1}
 _I64 = struct.Struct("<q")
+# Largest expansion of one frame: LZ4 cannot exceed ~255:1; zstd can, so its bound is a policy choice.
+_MAX_RATIO = {0: 256, 1: 1024}
 
 
 def codec_id(name: str | None) -> int | None:
@@ -32,7 +34,7 @@ def codec_id(name: str | None) -> int | None:
 
 
 def decompress_buffer(codec: int, src: memoryview, limit: int) -> memoryview | npt.NDArray[np.uint8]:
-    """Undo one compressed buffer; ``limit`` bounds the uncompressed size the caller accepts."""
+    """Undo one compressed buffer; ``limit`` is the uncompressed size the metadata justifies."""
     n = len(src)
     if n == 0:
         return src
@@ -44,6 +46,10 @@ def decompress_buffer(codec: int, src: memoryview, limit: int) -> memoryview | n
         return data
     if size < 0:
         raise CodecError(f"compressed buffer: uncompressed length must be >= -1, got {size}")
+    # Writers may store more than the metadata strictly needs (unsliced buffers, slack), so the bound is the
+    # larger of that and what the codec can physically expand these bytes to: allocation stays proportional
+    # to the input either way.
+    limit = max(limit, _MAX_RATIO[codec] * len(data) + 1024)
     if size > limit:
         raise CodecError(
             f"compressed buffer: uncompressed length {size} exceeds the {limit} bytes the metadata allows"

@@ -165,6 +165,53 @@ def _exclusive_cumsum(a: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     return out
 
 
+_CACHE_SIZE = 64
+
+
+@dataclass(eq=False, slots=True)
+class _Prepared:
+    """The metadata-only part of decoding one uncompressed batch layout: a struct template with pointers
+    relative to the allocation (``mem_index``) and to the body (``body_index``)."""
+
+    compiled: _Compiled
+    words: npt.NDArray[np.uint64]
+    mem_index: npt.NDArray[np.intp]
+    body_index: npt.NDArray[np.intp]
+    extra: list[Any]
+    nodes: npt.NDArray[np.int64]
+    nbuf: npt.NDArray[np.int64]
+    first: npt.NDArray[np.int64]
+    offsets: npt.NDArray[np.uint64]
+    lengths: npt.NDArray[np.int64]
+    body_length: int
+
+
+def _relative_pointers(
+    c: _Compiled,
+    nbuf: npt.NDArray[np.int64],
+    first: npt.NDArray[np.int64],
+    rel: npt.NDArray[np.uint64],
+    in_body: npt.NDArray[np.bool_],
+    lengths: npt.NDArray[np.int64],
+    extra: list[Any],
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.bool_]]:
+    """The C buffer list (V4 union validity dropped, view sizes added) and which entries are body-relative."""
+    ptrs: list[Any] = [np.zeros(1, np.uint64)]
+    mask: list[Any] = [np.zeros(1, bool)]
+    for i in range(c.n_nodes):
+        s, e = int(first[i]), int(first[i] + nbuf[i])
+        if c.drop_first[i]:
+            s += 1
+        ptrs.append(rel[s:e])
+        mask.append(in_body[s:e])
+        if c.layouts[i] == Layout.VIEW:
+            sizes = np.ascontiguousarray(lengths[first[i] + 2 : first[i] + nbuf[i]], np.int64)
+            extra.append(sizes)
+            ptrs.append(np.array([sizes.ctypes.data], np.uint64))
+            mask.append(np.zeros(1, bool))
+    return np.concatenate(ptrs), np.concatenate(mask)
+
+
 class MessageDecoder:
     """Decode a stream of Message metadata (+ bodies) into ``pa.RecordBatch`` objects.
 
@@ -190,6 +237,8 @@ class MessageDecoder:
         self._info: SchemaInfo | None = None
         self._compiled: _Compiled | None = None
         self._dict_compiled: dict[int, _Compiled] = {}
+        self._prepared: dict[bytes, _Prepared] = {}
+        self._parsed: dict[bytes, ParsedMessage] = {}
         self.dictionaries: dict[int, pa.Array] = {}
         self._version = 4
         if schema is not None:
@@ -205,10 +254,25 @@ class MessageDecoder:
         return self._info
 
     def decode(self, metadata: object, body: object = None) -> pa.RecordBatch | None:
-        """Decode one message; ``body`` is bytes-like (or a ``pa.Buffer``) for batch messages."""
-        return self.decode_parsed(parse(metadata), body)
+        """Decode one message; ``body`` is bytes-like (or a ``pa.Buffer``) for batch messages.
 
-    def decode_parsed(self, msg: ParsedMessage, body: object = None) -> pa.RecordBatch | None:
+        Streams of same-shaped batches repeat their metadata byte for byte: the parsed header and the
+        prepared layout are cached per metadata, so such a batch costs little more than pointing the cached
+        layout at its body (the body's contents are still checked every time).
+        """
+        key = bytes(metadata) if isinstance(metadata, (bytes, memoryview)) else None
+        msg = self._parsed.get(key) if key is not None else None
+        if msg is None:
+            msg = parse(metadata)
+            if key is not None and msg.header_type == HeaderType.RecordBatch:
+                if len(self._parsed) >= _CACHE_SIZE:
+                    self._parsed.pop(next(iter(self._parsed)))
+                self._parsed[key] = msg
+        return self.decode_parsed(msg, body, key)
+
+    def decode_parsed(
+        self, msg: ParsedMessage, body: object = None, key: bytes | None = None
+    ) -> pa.RecordBatch | None:
         info = msg.info
         if info.header_type == HeaderType.Schema:
             if self._info is not None:
@@ -229,13 +293,15 @@ class MessageDecoder:
             self._decode_dictionary(msg.dictionary_id, msg.is_delta, msg.batch, buf, info.body_length)
             return None
         assert self._compiled is not None
-        return self._decode_batch(self._compiled, msg.batch, buf, info.body_length)
+        return self._decode_batch(self._compiled, msg.batch, buf, info.body_length, key)
 
     def set_schema(self, info: SchemaInfo, version: int = 4) -> None:
         """Start decoding with a schema decoded elsewhere (e.g. from a file footer)."""
         self._info = info
         self._version = version
         self._compiled = _Compiled(info.plans, info.schema, version < 4)
+        self._prepared.clear()
+        self._parsed.clear()
 
     # ------------------------------------------------------------------------------------------ dictionaries
 
@@ -273,8 +339,164 @@ class MessageDecoder:
     # ------------------------------------------------------------------------------------------ batches
 
     def _decode_batch(
+        self, c: _Compiled, h: RecordBatchHeader, body: pa.Buffer, body_length: int, key: bytes | None = None
+    ) -> pa.RecordBatch:
+        assert self._info is not None
+        if h.compression is not None or self._info.big_endian:
+            return self._decode_general(c, h, body, body_length)
+        cache = self._prepared
+        prep = cache.get(key) if key is not None else None
+        if prep is None or prep.compiled is not c:
+            prep = self._prepare(c, h, body_length)
+            if key is not None:
+                if len(cache) >= _CACHE_SIZE:
+                    cache.pop(next(iter(cache)))
+                cache[key] = prep
+        return self._instantiate(c, prep, body)
+
+    def _layout(self, c: _Compiled, h: RecordBatchHeader, limit: int) -> npt.NDArray[np.int64]:
+        """Check the header against the schema and a ``limit``-byte body; returns IPC buffers per node."""
+        nodes = h.nodes
+        if len(nodes) != c.n_nodes:
+            raise CodecError(
+                f"RecordBatch: the schema has {c.n_nodes} field nodes, the message lists {len(nodes)}"
+            )
+        nbuf = c.nbuf_ipc
+        if c.view_nodes.size:
+            vc = h.variadic_counts
+            if vc is None or len(vc) != len(c.view_nodes):
+                raise CodecError(
+                    f"RecordBatch: {len(c.view_nodes)} view fields need as many variadicBufferCounts, "
+                    f"got {0 if vc is None else len(vc)}"
+                )
+            if int(vc.max()) > 1 << 20:
+                raise CodecError(f"RecordBatch: variadicBufferCounts {int(vc.max())} is implausibly large")
+            nbuf = nbuf.copy()
+            nbuf[c.view_nodes] += vc
+        elif h.variadic_counts is not None and len(h.variadic_counts):
+            raise CodecError(
+                f"RecordBatch: variadicBufferCounts has {len(h.variadic_counts)} entries, the schema no views"
+            )
+        buffers = h.buffers
+        total = int(nbuf.sum()) if c.view_nodes.size else c.total_buffers
+        if len(buffers) != total:
+            raise CodecError(
+                f"RecordBatch: the schema needs {total} buffers, the message lists {len(buffers)}"
+            )
+        offs = buffers[:, 0]
+        lens = buffers[:, 1]
+        # Both columns are >= 0 (checked when parsed), so once neither exceeds the limit their sum cannot
+        # overflow.
+        if len(buffers) and (int(buffers.max()) > limit or int((offs + lens).max()) > limit):
+            bad = int(np.flatnonzero((lens > limit) | (offs > limit - lens))[0])
+            raise CodecError(
+                f"RecordBatch: buffer {bad} (offset {int(offs[bad])}, length {int(lens[bad])}) lies outside "
+                f"the {limit}-byte body"
+            )
+        return nbuf
+
+    def _prepare(self, c: _Compiled, h: RecordBatchHeader, body_length: int) -> _Prepared:
+        """Everything about an uncompressed batch that depends on its metadata alone (cached per metadata)."""
+        nodes = h.nodes
+        nbuf = self._layout(c, h, body_length)
+        offs = h.buffers[:, 0]
+        lens = h.buffers[:, 1]
+        self._check_sizes(c, nodes, nbuf, lens)
+        first = _exclusive_cumsum(nbuf)
+        # Buffer pointers relative to the body; empty buffers point at shared zeros, and a validity bitmap
+        # of a node without nulls is NULL.
+        rel = offs.astype(np.uint64)
+        in_body = lens != 0
+        rel[~in_body] = cdata.ZERO_ADDRESS
+        vnodes = np.flatnonzero(c.has_validity & (nodes[:, 1] == 0))
+        if vnodes.size:
+            vpos = first[vnodes] + c.drop_first[vnodes]
+            rel[vpos] = 0
+            in_body[vpos] = False
+        extra: list[Any] = []
+        n = c.n_nodes
+        if c.simple:
+            ptrs = np.concatenate([np.zeros(1, np.uint64), rel])
+            ptr_in_body = np.concatenate([np.zeros(1, bool), in_body])
+            cbuf_rel = c.buf_rel
+            nbuf_c = None
+        else:
+            ptrs, ptr_in_body = _relative_pointers(c, nbuf, first, rel, in_body, lens, extra)
+            nbuf_c = nbuf - c.drop_first + (c.layouts == Layout.VIEW)
+            cbuf_rel = np.zeros(n + 1, np.uint64)
+            cbuf_rel[1:] = (np.uint64(1) + _exclusive_cumsum(nbuf_c).astype(np.uint64)) * np.uint64(8)
+        nptr = len(ptrs)
+        nkid = len(c.child_idx)
+        sbytes = 80 * (n + 1)
+        words = np.zeros(10 * (n + 1) + nptr + nkid, np.uint64)
+        structs = words[: 10 * (n + 1)].reshape(n + 1, 10)
+        structs[:] = c.template
+        structs[1:, 0:2] = nodes
+        structs[0, 0] = h.length
+        if c.null_nodes.size:
+            structs[c.null_nodes + 1, 1] = nodes[c.null_nodes, 0]
+        if nbuf_c is not None:
+            structs[1:, 3] = nbuf_c
+        structs[:, 5] = cbuf_rel + np.uint64(sbytes)
+        words[10 * (n + 1) : 10 * (n + 1) + nptr] = ptrs
+        mem_fields = [np.arange(n + 1) * 10 + 5]
+        if nkid:
+            words[10 * (n + 1) + nptr :] = c.child_idx80
+            with_kids = np.flatnonzero(c.has_kids)
+            structs[with_kids, 6] = c.child_rel[with_kids] + np.uint64(sbytes + 8 * nptr)
+            mem_fields.append(with_kids * 10 + 6)
+            mem_fields.append(np.arange(10 * (n + 1) + nptr, len(words)))
+        return _Prepared(
+            compiled=c,
+            words=words,
+            mem_index=np.concatenate(mem_fields).astype(np.intp),
+            body_index=(np.flatnonzero(ptr_in_body) + 10 * (n + 1)).astype(np.intp),
+            extra=extra,
+            nodes=nodes,
+            nbuf=nbuf,
+            first=first,
+            offsets=offs.astype(np.uint64),
+            lengths=lens,
+            body_length=body_length,
+        )
+
+    def _instantiate(self, c: _Compiled, prep: _Prepared, body: pa.Buffer) -> pa.RecordBatch:
+        """A batch from a prepared layout and a body: copy the template, point it at the body, import."""
+        if body.size < prep.body_length:
+            raise CodecError(f"message body: expected {prep.body_length} bytes, got {body.size}")
+        for _, did in c.dict_nodes:
+            if did not in self.dictionaries:
+                raise CodecError(
+                    f"RecordBatch: dictionary id {did} is used before any DictionaryBatch for it"
+                )
+        address = body.address
+        if c.checked and self.validate:
+            self._check(c, prep.nodes, prep.nbuf, prep.first, prep.offsets + np.uint64(address), prep.lengths)
+        keep = cdata.Keepalive()
+        mem = pa.allocate_buffer(8 * len(prep.words))
+        keep.objects += (body, mem, *prep.extra)
+        words = np.frombuffer(mem, np.uint64)
+        words[:] = prep.words
+        base = mem.address
+        words[prep.mem_index] += np.uint64(base)
+        words[prep.body_index] += np.uint64(address)
+        structs = words[: 10 * (c.n_nodes + 1)].reshape(c.n_nodes + 1, 10)
+        for i, did in c.dict_nodes:
+            structs[i + 1, 7] = cdata.export_array(self.dictionaries[did], keep)
+        try:
+            batch = cdata.import_batch(structs, base, c.schema, keep)
+        except (pa.ArrowException, ValueError, TypeError) as e:
+            raise CodecError(f"RecordBatch: invalid layout: {e}") from None
+        try:
+            batch.validate()
+        except (pa.ArrowException, ValueError) as e:
+            raise CodecError(f"RecordBatch: invalid data: {e}") from None
+        return batch
+
+    def _decode_general(
         self, c: _Compiled, h: RecordBatchHeader, body: pa.Buffer, body_length: int
     ) -> pa.RecordBatch:
+        """Compressed or big-endian bodies: buffers are rewritten into new memory first."""
         assert self._info is not None
         nodes = h.nodes
         if len(nodes) != c.n_nodes:
@@ -419,7 +641,8 @@ class MessageDecoder:
             k = int(np.flatnonzero(lengths < req)[0])
             i = int(rules[0][k])
             raise CodecError(
-                f"RecordBatch: buffer {k} of field {c.flat[i].field.name!r} (length {int(nodes[i, 0])}) holds "
+                f"RecordBatch: buffer {k} of field {c.flat[i].field.name!r} (length {int(nodes[i, 0])}) "
+                f"holds "
                 f"{int(lengths[k])} bytes, {int(req[k])} are needed"
             )
 
@@ -504,17 +727,21 @@ class MessageDecoder:
         for i, p in enumerate(c.flat):
             length = int(nodes[i, 0])
             s = int(first[i])
+            data_limit = self.max_buffer_bytes  # what this node's offsets or views justify for its data
             for j, role in enumerate(_roles(p, int(nbuf[i]), bool(c.drop_first[i]))):
                 k = s + j
                 off, n = int(h.buffers[k, 0]), int(h.buffers[k, 1])
                 raw = mv[off : off + n]
                 data: Any = raw
                 if h.compression is not None:
-                    data = decompress_buffer(
-                        h.compression, data, _bound(role, p, length, self.max_buffer_bytes)
-                    )
+                    limit = data_limit if role == _DATA else _bound(role, p, length, self.max_buffer_bytes)
+                    data = decompress_buffer(h.compression, data, limit)
                 if self._info.big_endian:
                     data = _swap(role, p, data)
+                if role in (_OFF4, _OFF8) and p.layout in (Layout.BINARY, Layout.LARGE_BINARY):
+                    data_limit = _last_offset(data, 4 if role == _OFF4 else 8, length)
+                elif role == _VIEWS:
+                    data_limit = _long_view_bytes(data, length)
                 if data is not raw:
                     arr = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
                     keep.objects.append(arr)
@@ -603,6 +830,21 @@ def _required_sizes(
     req: npt.NDArray[np.int64] = np.where(bits, (length + 7) // 8, (length + (length > 0) * plus) * mul)
     req[validity & (nodes[node, 1] == 0)] = 0
     return req
+
+
+def _last_offset(data: Any, width: int, length: int) -> int:
+    """The last of ``length + 1`` (native) offsets: what the data buffer must hold; 0 when unreadable."""
+    if length == 0 or len(data) < (length + 1) * width:
+        return 0
+    return max(int(np.frombuffer(data, "<i4" if width == 4 else "<i8", 1, length * width)[0]), 0)
+
+
+def _long_view_bytes(data: Any, length: int) -> int:
+    """Total length of the out-of-line (native) views: no variadic buffer needs more."""
+    if length == 0 or len(data) < length * 16:
+        return 0
+    lens = np.frombuffer(data, "<i4", length * 4)[::4].astype(np.int64)
+    return int(lens[lens > 12].sum())
 
 
 def _bound(role: int, p: FieldPlan, length: int, limit: int) -> int:

@@ -109,14 +109,14 @@ class _Flattener:
         elif kind == _BOOL:
             add(validity)
             add(_bitmap(bufs[1], off, n))
-        elif kind == _BINARY or kind == _LARGE_BINARY:
+        elif kind in (_BINARY, _LARGE_BINARY):
             offsets, first, last = _rebased_offsets(
                 bufs[1], off, n, "<i8" if kind == _LARGE_BINARY else "<i4"
             )
             add(validity)
             add(offsets)
             add(bufs[2].slice(first, last - first) if bufs[2] is not None and last > first else None)
-        elif kind == _LIST or kind == _LARGE_LIST:
+        elif kind in (_LIST, _LARGE_LIST):
             offsets, first, last = _rebased_offsets(bufs[1], off, n, "<i8" if kind == _LARGE_LIST else "<i4")
             add(validity)
             add(offsets)
@@ -131,7 +131,7 @@ class _Flattener:
             data = bufs[2:]
             self.variadic.append(len(data))
             self.buffers.extend(data)
-        elif kind == _LIST_VIEW or kind == _LARGE_LIST_VIEW:
+        elif kind in (_LIST_VIEW, _LARGE_LIST_VIEW):
             w = 8 if kind == _LARGE_LIST_VIEW else 4
             add(validity)
             add(bufs[1].slice(off * w, n * w) if n else None)
@@ -250,7 +250,7 @@ _OPAQUE_TYPES = {
 
 
 def _python_safe(ty: pa.DataType) -> pa.DataType:
-    """``ty`` with the types pyarrow cannot hand to Python (month, day-time intervals) replaced by same-layout ones."""
+    """``ty`` with types pyarrow cannot give Python (month, day-time intervals) replaced by same layouts."""
     if ty.id in _OPAQUE_TYPES:
         return _OPAQUE_TYPES[ty.id]
     if isinstance(ty, pa.BaseExtensionType):

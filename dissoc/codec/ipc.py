@@ -504,7 +504,9 @@ class FileWriter(StreamWriter):
 # --------------------------------------------------------------------------------------------------- API
 
 
-def iter_messages(source: Any, *, file_format: bool = False) -> Iterator[tuple[ParsedMessage, memoryview, pa.Buffer]]:
+def iter_messages(
+    source: Any, *, file_format: bool = False
+) -> Iterator[tuple[ParsedMessage, memoryview, pa.Buffer]]:
     """The framed messages of a stream (or of the stream inside an IPC file), as stored: no decoding.
 
     Yields (parsed header, metadata flatbuffer, body) with the body a zero-copy slice of ``source``; this is
@@ -524,7 +526,6 @@ def iter_messages(source: Any, *, file_format: bool = False) -> Iterator[tuple[P
             return
         msg, meta, body, pos = item
         yield msg, meta, body
-
 
 
 def open_stream(source: Any, *, validate: bool = True) -> StreamReader:

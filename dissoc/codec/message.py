@@ -32,6 +32,7 @@ __all__ = [
 
 METADATA_V5 = 4
 MAX_MESSAGE_VERSION = 4
+MIN_MESSAGE_VERSION = 3
 
 
 class HeaderType(enum.IntEnum):
@@ -100,8 +101,11 @@ def parse_message(metadata: object) -> MessageInfo:
     t = root_table(mv, "Message")
     p_version, p_type, p_header, p_body, _ = t.slots(5)
     version = _scalar(mv, p_version, _I16, 0, "Message")
-    if version < 0 or version > MAX_MESSAGE_VERSION:
-        raise CodecError(f"Message: metadata version must be V1..V5 (0..4), got {version}")
+    if version < MIN_MESSAGE_VERSION or version > MAX_MESSAGE_VERSION:
+        raise CodecError(
+            f"Message: metadata version must be V4 or V5 ({MIN_MESSAGE_VERSION}..{MAX_MESSAGE_VERSION}; "
+            f"versions before V4 predate Arrow 0.8 and are not supported), got {version}"
+        )
     header_type = _scalar(mv, p_type, _U8, 0, "Message")
     if header_type not in (1, 2, 3, 4, 5):
         raise CodecError(f"Message: header type must be 1..5, got {header_type}")

@@ -224,6 +224,7 @@ class _SchemaDecoder:
         self.dictionaries: dict[int, DictionaryInfo] = {}
         self.v4 = metadata_version < 4
         self.nodes = 0
+        self.seen: set[int] = set()
 
     def field(self, t: Table, depth: int) -> FieldPlan:
         try:
@@ -234,6 +235,11 @@ class _SchemaDecoder:
             raise CodecError(f"invalid field: {e}") from None
 
     def _field(self, t: Table, depth: int) -> FieldPlan:
+        # A writer never shares one Field table between two places; following shared tables would let a few
+        # bytes of metadata describe exponentially many fields.
+        if t._pos in self.seen:
+            raise CodecError(f"schema: Field table at {t._pos} is referenced twice")
+        self.seen.add(t._pos)
         if depth > MAX_NESTING:
             raise CodecError(f"Field nesting deeper than {MAX_NESTING} levels")
         self.nodes += 1
@@ -473,7 +479,7 @@ _ext_metadata_cache: dict[str, bytes] = {}
 
 
 def _extension_metadata(ty: pa.BaseExtensionType) -> bytes:
-    """The serialized parameters of an extension type (C++ extension types have no Python accessor for them)."""
+    """The serialized parameters of an extension type (C++ extension types have no Python accessor)."""
     serialize = getattr(ty, "__arrow_ext_serialize__", None)
     if serialize is not None:
         return bytes(serialize())

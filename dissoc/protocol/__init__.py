@@ -62,9 +62,11 @@ from dissoc.protocol.state import (
     StreamStateError,
 )
 from dissoc.protocol.tags import (
+    BODY_ERROR,
     BODY_PACKED,
     BODY_PAIRS,
     BODY_TYPE_SHIFT,
+    ERROR_TAG,
     KNOWN_BODY_TYPES,
     RESERVED_MASK,
     SEQ_MASK,
@@ -78,7 +80,9 @@ from dissoc.protocol.tags import (
 
 __all__ = [
     "BODY_PACKED",
+    "BODY_ERROR",
     "BODY_PAIRS",
+    "ERROR_TAG",
     "BODY_TYPE_SHIFT",
     "DEFAULT_MAX_PENDING_BYTES",
     "DEFAULT_WINDOW",

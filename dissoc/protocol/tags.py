@@ -14,8 +14,10 @@ from dissoc.protocol.seq import check_seq
 
 __all__ = [
     "BODY_PACKED",
+    "BODY_ERROR",
     "BODY_PAIRS",
     "BODY_TYPE_SHIFT",
+    "ERROR_TAG",
     "KNOWN_BODY_TYPES",
     "RESERVED_MASK",
     "SEQ_MASK",
@@ -43,6 +45,12 @@ BODY_PACKED: Final = 0
 
 BODY_PAIRS: Final = 1
 """Body type 1: u64 total, u64 count, then (address-or-offset, length) u64 pairs."""
+
+BODY_ERROR: Final = 0xE0
+"""Project extension: a data server's error report (JSON ``{"code", "message"}``), for split layouts where the
+data connection carries only tagged messages. Never passed to the reorder buffer."""
+
+ERROR_TAG: Final = BODY_ERROR << 56
 
 KNOWN_BODY_TYPES: Final = frozenset({BODY_PACKED, BODY_PAIRS})
 
