@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import pyarrow as pa
 
-from dissoc.codec import MessageDecoder, has_body, parse
+from dissoc.codec import MessageDecoder
 from dissoc.errors import DissocError, ProtocolError, RemoteError, TransportError
 from dissoc.protocol import (
     BODY_ERROR,
@@ -103,8 +103,8 @@ class _Session:
         )
         self.ticket = ticket
         self.options = options
-        self.stream = ClientStream(has_body, window=options.window, max_pending_bytes=1 << 62)
         self.decoder = MessageDecoder(validate=options.validate)
+        self.stream = ClientStream(self.decoder.has_body, window=options.window, max_pending_bytes=1 << 62)
         self.ready: asyncio.Queue[MessageReady | SchemaReceived | StreamEnded | BaseException] = (
             asyncio.Queue()
         )
@@ -150,14 +150,22 @@ class _Session:
         except BaseException as e:  # handed to the consumer, which raises it
             self.ready.put_nowait(e)
 
-    async def _recv(self, what: str, op: Callable[[], Any]) -> Any:
-        try:
-            return await asyncio.wait_for(op(), self.options.timeout)
-        except TimeoutError:
-            raise TransportError(
-                f"waiting for {what}: nothing arrived within {self.options.timeout} s "
-                f"(next batch {fmt_seq(self.stream.next_seq)})"
-            ) from None
+    async def next_event(self) -> MessageReady | SchemaReceived | StreamEnded:
+        """The next event for the consumer; silence longer than the timeout while it waits is an error."""
+        ready = self.ready
+        if ready.empty():
+            try:
+                ev = await asyncio.wait_for(ready.get(), self.options.timeout)
+            except TimeoutError:
+                raise TransportError(
+                    f"nothing arrived within {self.options.timeout} s (waiting for message "
+                    f"{fmt_seq(self.stream.next_seq)}; missing {self.stream.missing()[:8]})"
+                ) from None
+        else:
+            ev = ready.get_nowait()
+        if isinstance(ev, BaseException):
+            raise ev
+        return ev
 
     def _publish(self, events: list[Any]) -> None:
         for ev in events:
@@ -172,7 +180,7 @@ class _Session:
 
     async def _read_metadata(self, conn: Connection) -> None:
         while True:
-            buf = await self._recv("metadata", conn.recv)
+            buf = await conn.recv()
             kind = buf[0] if len(buf) else -1
             if kind == 1 and len(buf) >= 5:
                 await self._wait_window(int.from_bytes(bytes(buf[1:5]), "little"))
@@ -185,7 +193,7 @@ class _Session:
             while self.in_flight >= self.options.max_in_flight_bytes:
                 self.flow.clear()
                 await self.flow.wait()
-            msg = await self._recv("a body", lambda: conn.recv_tagged(0, 0))
+            msg = await conn.recv_tagged(0, 0)
             if msg.tag >> 56 == BODY_ERROR:
                 err = decode_stream_message(msg.view())
                 if isinstance(err, ErrorMessage):
@@ -209,7 +217,7 @@ class _Session:
         n = memoryview(body).nbytes if body is not None else 0  # type: ignore[arg-type]
         self.in_flight -= n
         self.flow.set()
-        batch = self.decoder.decode_parsed(parse(ev.metadata), body)
+        batch = self.decoder.decode(ev.metadata, body)
         if batch is not None:
             self.stats.batches += 1
             self.stats.rows += batch.num_rows
@@ -244,9 +252,7 @@ async def stream_batches(
     try:
         await session.start()
         while True:
-            ev = await session.ready.get()
-            if isinstance(ev, BaseException):
-                raise ev
+            ev = await session.next_event()
             if isinstance(ev, StreamEnded):
                 return
             batch = session.decode(ev)

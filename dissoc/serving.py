@@ -112,9 +112,11 @@ async def stream_dataset(conn: Connection, role: Role, dataset: Dataset, options
                     await conn.send([header, metadata])
                 continue
             sent = stream.message(metadata, with_body)
-            if meta:
+            if meta and data and sent.tag is not None:
+                await conn.send_many([(None, [sent.header, metadata]), (sent.tag, body)])
+            elif meta:
                 await conn.send([sent.header, metadata])
-            if data and sent.tag is not None:
+            elif sent.tag is not None:
                 await conn.send_tagged(sent.tag, body)
         count = stream.next_seq
         if meta:

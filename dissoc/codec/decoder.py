@@ -261,6 +261,9 @@ class MessageDecoder:
         layout at its body (the body's contents are still checked every time).
         """
         key = bytes(metadata) if isinstance(metadata, (bytes, memoryview)) else None
+        return self.decode_parsed(self._parse_cached(metadata, key), body, key)
+
+    def _parse_cached(self, metadata: object, key: bytes | None) -> ParsedMessage:
         msg = self._parsed.get(key) if key is not None else None
         if msg is None:
             msg = parse(metadata)
@@ -268,7 +271,12 @@ class MessageDecoder:
                 if len(self._parsed) >= _CACHE_SIZE:
                     self._parsed.pop(next(iter(self._parsed)))
                 self._parsed[key] = msg
-        return self.decode_parsed(msg, body, key)
+        return msg
+
+    def has_body(self, metadata: object) -> bool:
+        """Whether a message carries a body on the data stream (parsing through this decoder's cache)."""
+        key = bytes(metadata) if isinstance(metadata, (bytes, memoryview)) else None
+        return self._parse_cached(metadata, key).has_body
 
     def decode_parsed(
         self, msg: ParsedMessage, body: object = None, key: bytes | None = None

@@ -20,7 +20,7 @@ import pyarrow as pa
 from dissoc.codec.decoder import MessageDecoder, ParsedMessage, parse
 from dissoc.codec.encoder import EncodedMessage, MessageEncoder
 from dissoc.codec.fb import root_table
-from dissoc.codec.message import HeaderType
+from dissoc.codec.message import HeaderType, parse_message
 from dissoc.codec.schema import decode_schema, encode_schema
 from dissoc.errors import CodecError
 
@@ -153,7 +153,7 @@ class _Messages:
 
 
 def _message_at(
-    buf: pa.Buffer, pos: int, limit: int
+    buf: pa.Buffer, pos: int, limit: int, full: bool = True
 ) -> tuple[ParsedMessage, memoryview, pa.Buffer, int] | None:
     """The framed message at ``pos`` of ``buf`` (which must end by ``limit``); None at end of stream."""
     view = memoryview(buf)
@@ -178,7 +178,7 @@ def _message_at(
             f"stream: message at offset {pos} declares {size} bytes of metadata, {n - pos - hdr} remain"
         )
     meta = view[pos + hdr : pos + hdr + size]
-    msg = parse(meta)
+    msg = parse(meta) if full else ParsedMessage(parse_message(meta))
     body_start = pos + hdr + size
     blen = msg.body_length
     if blen > n - body_start:
@@ -521,7 +521,7 @@ def iter_messages(
             raise CodecError(f"file: expected {MAGIC!r} at the start")
         pos = 8
     while True:
-        item = _message_at(buf, pos, buf.size)
+        item = _message_at(buf, pos, buf.size, full=False)
         if item is None:
             return
         msg, meta, body, pos = item

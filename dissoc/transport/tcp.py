@@ -18,6 +18,7 @@ import logging
 import socket
 import struct
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from dissoc.errors import DissocError, TransportError
@@ -31,6 +32,9 @@ from dissoc.transport.base import (
     Handler,
     Listener,
     MessageTooLargeError,
+    SendData,
+    _as_views,
+    _check_u64,
     _fresh,
     register_transport,
 )
@@ -199,6 +203,32 @@ class TcpConnection(Connection):
             if self._send_error is not None:
                 raise _fresh(self._send_error)
             await self._send_all(pieces, total + HEADER_SIZE)
+        finally:
+            self._release_send()
+
+    async def send_many(self, messages: Sequence[tuple[int | None, SendData]]) -> None:
+        """Several frames, in order, through one gathered ``sendmsg`` (see :meth:`Connection.send_many`)."""
+        pieces: list[memoryview] = []
+        total = 0
+        for tag, data in messages:
+            if tag is not None:
+                _check_u64(tag, "tag")
+            views, size = _as_views(data)
+            pieces.append(
+                memoryview(_HEADER.pack(KIND_UNTAGGED if tag is None else KIND_TAGGED, tag or 0, size))
+            )
+            pieces.extend(views)
+            total += size + HEADER_SIZE
+        if self._sending or self._send_waiters:
+            await self._acquire_send()
+        else:
+            self._sending = True
+        try:
+            if self._closed:
+                raise self._closed_error("cannot send")
+            if self._send_error is not None:
+                raise _fresh(self._send_error)
+            await self._send_all(pieces, total)
         finally:
             self._release_send()
 
