@@ -97,11 +97,21 @@ async def _encoded_messages(
             yield m.metadata, m.body_buffers, True
 
 
+# Small messages from a source that never blocks are written together, up to these limits per system call.
+_COALESCE_BYTES = 256 << 10
+_COALESCE_MESSAGES = 64
+
+
 async def stream_dataset(conn: Connection, role: Role, dataset: Dataset, options: ServeOptions) -> int:
     """Send the stream(s) of ``role`` for ``dataset``; returns the number of messages sent."""
     stream = ServerStream()
     meta = role is not Role.DATA
     data = role is not Role.METADATA
+    # Coalescing only where the next message is ready at once (stored or in-memory data): a source read in
+    # a worker thread flushes every message, so the client never waits on a half-filled batch of frames.
+    coalesce = isinstance(dataset, (TableDataset, IpcFileDataset, IpcStreamDataset))
+    pending: list[tuple[int | None, Any]] = []
+    pending_bytes = 0
     try:
         first = True
         async for metadata, body, with_body in _encoded_messages(dataset, options):
@@ -109,18 +119,24 @@ async def stream_dataset(conn: Connection, role: Role, dataset: Dataset, options
                 first = False
                 header = stream.schema(metadata)
                 if meta:
-                    await conn.send([header, metadata])
+                    pending.append((None, [header, metadata]))
                 continue
             sent = stream.message(metadata, with_body)
-            if meta and data and sent.tag is not None:
-                await conn.send_many([(None, [sent.header, metadata]), (sent.tag, body)])
-            elif meta:
-                await conn.send([sent.header, metadata])
-            elif sent.tag is not None:
-                await conn.send_tagged(sent.tag, body)
+            if meta:
+                pending.append((None, [sent.header, metadata]))
+                pending_bytes += len(metadata) + 5
+            if data and sent.tag is not None:
+                pending.append((sent.tag, body))
+                pending_bytes += sum(memoryview(b).nbytes for b in body)
+            if not coalesce or pending_bytes >= _COALESCE_BYTES or len(pending) >= _COALESCE_MESSAGES:
+                await conn.send_many(pending)
+                pending = []
+                pending_bytes = 0
         count = stream.next_seq
         if meta:
-            await conn.send(stream.end())
+            pending.append((None, stream.end()))
+        if pending:
+            await conn.send_many(pending)
         log.debug("%s stream of %r done: %s messages", role.value, dataset.name, fmt_seq(count))
         return count
     except TransportError:
@@ -128,6 +144,8 @@ async def stream_dataset(conn: Connection, role: Role, dataset: Dataset, options
     except (DissocError, pa.ArrowException, OSError, ValueError) as e:
         # The dataset or its encoding failed: tell the client on the stream, which then ends.
         log.warning("%s stream of %r failed: %s", role.value, dataset.name, e)
+        if pending:
+            await conn.send_many(pending)
         await _send_error(
             conn, role, _error(stream, "stream_failed", f"serving {dataset.name!r} failed: {e}")
         )

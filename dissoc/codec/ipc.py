@@ -153,7 +153,7 @@ class _Messages:
 
 
 def _message_at(
-    buf: pa.Buffer, pos: int, limit: int, full: bool = True
+    buf: pa.Buffer, pos: int, limit: int, full: bool = True, cache: dict[bytes, ParsedMessage] | None = None
 ) -> tuple[ParsedMessage, memoryview, pa.Buffer, int] | None:
     """The framed message at ``pos`` of ``buf`` (which must end by ``limit``); None at end of stream."""
     view = memoryview(buf)
@@ -178,7 +178,18 @@ def _message_at(
             f"stream: message at offset {pos} declares {size} bytes of metadata, {n - pos - hdr} remain"
         )
     meta = view[pos + hdr : pos + hdr + size]
-    msg = parse(meta) if full else ParsedMessage(parse_message(meta))
+    if full:
+        msg = parse(meta)
+    elif cache is not None:
+        key = bytes(meta)
+        hit = cache.get(key)
+        if hit is None:
+            hit = ParsedMessage(parse_message(meta))
+            if len(cache) < 64:
+                cache[key] = hit
+        msg = hit
+    else:
+        msg = ParsedMessage(parse_message(meta))
     body_start = pos + hdr + size
     blen = msg.body_length
     if blen > n - body_start:
@@ -520,8 +531,9 @@ def iter_messages(
         if buf.size < 8 or bytes(memoryview(buf)[:6]) != MAGIC:
             raise CodecError(f"file: expected {MAGIC!r} at the start")
         pos = 8
+    cache: dict[bytes, ParsedMessage] = {}  # stored streams repeat their batch metadata byte for byte
     while True:
-        item = _message_at(buf, pos, buf.size, full=False)
+        item = _message_at(buf, pos, buf.size, full=False, cache=cache)
         if item is None:
             return
         msg, meta, body, pos = item
