@@ -88,6 +88,18 @@ def parse(metadata: object) -> ParsedMessage:
     return ParsedMessage(info)
 
 
+def _fully_validatable(ty: pa.DataType) -> bool:
+    """Whether pyarrow's full validation of this type checks memory safety only (no value semantics)."""
+    t = pa.types
+    if isinstance(ty, pa.BaseExtensionType):
+        return _fully_validatable(ty.storage_type)
+    if t.is_dictionary(ty):
+        return _fully_validatable(ty.value_type)
+    if t.is_decimal(ty) or t.is_date64(ty) or t.is_time(ty) or t.is_binary_view(ty) or t.is_string_view(ty):
+        return False
+    return all(_fully_validatable(ty.field(i).type) for i in range(ty.num_fields))
+
+
 class _Compiled:
     """A list of top-level plans flattened into the index arrays the bulk import needs."""
 
@@ -155,7 +167,25 @@ class _Compiled:
             Layout.DENSE_UNION,
             Layout.RUN_END,
         }
-        self.checked = [i for i, p in enumerate(flat) if p.layout in risky or p.dict_id >= 0]
+        # Content checks: columns whose types pyarrow's full validation judges only on memory safety are
+        # validated by it in one C++ call; the others (decimals, date64, times, views, whose full validation
+        # also rejects legal values) get this module's numpy checks, node by node.
+        starts = [k - 1 for k in children[0]] + [n]
+        self.full_columns: list[int] = []
+        self.checked: list[int] = []
+        for col, plan in enumerate(plans):
+            nodes_of_col = range(starts[col], starts[col + 1])
+            risky_nodes = [j for j in nodes_of_col if flat[j].layout in risky or flat[j].dict_id >= 0]
+            if not risky_nodes:
+                continue
+            if _fully_validatable(plan.field.type):
+                self.full_columns.append(col)
+            else:
+                self.checked.extend(risky_nodes)
+        self.all_full = len(self.full_columns) == len(plans)
+        # Large batches check every risky node with numpy instead: pyarrow's full validation also checks
+        # UTF-8, which costs more per byte than numpy's offset checks.
+        self.checked_all = [i for i, p in enumerate(flat) if p.layout in risky or p.dict_id >= 0]
 
 
 def _exclusive_cumsum(a: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
@@ -166,6 +196,7 @@ def _exclusive_cumsum(a: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
 
 
 _CACHE_SIZE = 64
+_SMALL_BATCH_ROWS = 8192
 
 
 @dataclass(eq=False, slots=True)
@@ -478,8 +509,12 @@ class MessageDecoder:
                     f"RecordBatch: dictionary id {did} is used before any DictionaryBatch for it"
                 )
         address = body.address
-        if c.checked and self.validate:
-            self._check(c, prep.nodes, prep.nbuf, prep.first, prep.offsets + np.uint64(address), prep.lengths)
+        small = prep.nodes[0, 0] <= _SMALL_BATCH_ROWS if len(prep.nodes) else True
+        checked = c.checked if small else c.checked_all
+        if checked and self.validate:
+            self._check(
+                c, prep.nodes, prep.nbuf, prep.first, prep.offsets + np.uint64(address), prep.lengths, checked
+            )
         keep = cdata.Keepalive()
         mem = pa.allocate_buffer(8 * len(prep.words))
         keep.objects += (body, mem, *prep.extra)
@@ -495,10 +530,7 @@ class MessageDecoder:
             batch = cdata.import_batch(structs, base, c.schema, keep)
         except (pa.ArrowException, ValueError, TypeError) as e:
             raise CodecError(f"RecordBatch: invalid layout: {e}") from None
-        try:
-            batch.validate()
-        except (pa.ArrowException, ValueError) as e:
-            raise CodecError(f"RecordBatch: invalid data: {e}") from None
+        self._validate(c, batch, small)
         return batch
 
     def _decode_general(
@@ -564,18 +596,13 @@ class MessageDecoder:
                 raise CodecError(
                     f"RecordBatch: dictionary id {did} is used before any DictionaryBatch for it"
                 )
-        if c.checked and self.validate:
+        checked = c.checked if h.length <= _SMALL_BATCH_ROWS else c.checked_all
+        if checked and self.validate:
             if addrs is None:
-                self._check(
-                    c,
-                    nodes,
-                    nbuf,
-                    _exclusive_cumsum(nbuf),
-                    offs.astype(np.uint64) + np.uint64(body.address),
-                    lengths,
-                )
+                addrs_now = offs.astype(np.uint64) + np.uint64(body.address)
+                self._check(c, nodes, nbuf, _exclusive_cumsum(nbuf), addrs_now, lengths, checked)
             else:
-                self._check(c, nodes, nbuf, _exclusive_cumsum(nbuf), addrs, lengths)
+                self._check(c, nodes, nbuf, _exclusive_cumsum(nbuf), addrs, lengths, checked)
         n = c.n_nodes
         if addrs is None:
             nptr = len(offs) + 1
@@ -629,11 +656,16 @@ class MessageDecoder:
             batch = cdata.import_batch(structs, base, c.schema, keep)
         except (pa.ArrowException, ValueError, TypeError) as e:
             raise CodecError(f"RecordBatch: invalid layout: {e}") from None
+        self._validate(c, batch, h.length <= _SMALL_BATCH_ROWS)
+        return batch
+
+    def _validate(self, c: _Compiled, batch: pa.RecordBatch, small: bool) -> None:
         try:
             batch.validate()
+            if self.validate and c.full_columns and small:
+                (batch if c.all_full else batch.select(c.full_columns)).validate(full=True)
         except (pa.ArrowException, ValueError) as e:
             raise CodecError(f"RecordBatch: invalid data: {e}") from None
-        return batch
 
     def _check_sizes(
         self,
@@ -662,8 +694,9 @@ class MessageDecoder:
         first: npt.NDArray[np.int64],
         addrs: npt.NDArray[np.uint64],
         lengths: npt.NDArray[np.int64],
+        checked: list[int],
     ) -> None:
-        for i in c.checked:
+        for i in checked:
             p = c.flat[i]
             s = int(first[i] + c.drop_first[i])
             e = int(first[i] + nbuf[i])
