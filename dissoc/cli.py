@@ -87,14 +87,15 @@ async def _serve(args: argparse.Namespace) -> int:
         compression=args.compression,
     )
     async with server:
-        for name in datasets:
-            line: dict[str, Any] = {"ticket": name, "uri": server.uri, "data_uri": server.data_uri}
-            sys.stdout.write(json.dumps(line) + "\n")
-        sys.stdout.flush()
+        # Handlers first: a script may signal the moment it reads the ready lines.
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        for name in datasets:
+            line: dict[str, Any] = {"ticket": name, "uri": server.uri, "data_uri": server.data_uri}
+            sys.stdout.write(json.dumps(line) + "\n")
+        sys.stdout.flush()
         await stop.wait()
         log.info("stopping")
     return 0

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import pyarrow as pa
 
 from dissoc.codec import MessageDecoder
-from dissoc.errors import DissocError, ProtocolError, RemoteError, TransportError
+from dissoc.errors import DissocError, ProtocolError, RemoteError, ResourceError, TransportError
 from dissoc.protocol import (
     BODY_ERROR,
     BODY_PACKED,
@@ -34,6 +34,7 @@ from dissoc.protocol import (
     StreamEnded,
     decode_stream_message,
     fmt_seq,
+    seq_diff,
 )
 from dissoc.protocol.framing import ErrorMessage
 from dissoc.transport import Connection, connect
@@ -109,6 +110,8 @@ class _Session:
             asyncio.Queue()
         )
         self.in_flight = 0
+        self.reading_paused = False
+        self.data_conn: Connection | None = None
         self.flow = asyncio.Event()  # set whenever in-flight bytes drop or batches are released
         self.flow.set()
         self.conns: list[Connection] = []
@@ -174,7 +177,20 @@ class _Session:
             self.flow.set()
 
     async def _wait_window(self, seq: int) -> None:
+        """Wait until ``seq`` is inside the reorder window (backpressure between the two streams).
+
+        A sequence number already released is passed on at once (the stream then reports the duplicate), and
+        one far beyond anything a window could need is an error rather than a wait that only a timeout ends.
+        """
         while not self.stream.accepts(seq):
+            ahead = seq_diff(seq, self.stream.next_seq)
+            if ahead < 0:
+                return
+            if ahead >= 4 * self.options.window:
+                raise ResourceError(
+                    f"message {fmt_seq(seq)} is {ahead} sequence numbers ahead of the next one to release "
+                    f"({fmt_seq(self.stream.next_seq)}); at most {self.options.window} may be pending"
+                )
             self.flow.clear()
             await self.flow.wait()
 
@@ -189,10 +205,9 @@ class _Session:
                 return
 
     async def _read_bodies(self, conn: Connection) -> None:
+        self.data_conn = conn
+        limit = self.options.max_in_flight_bytes
         while not self.stream.finished:
-            while self.in_flight >= self.options.max_in_flight_bytes:
-                self.flow.clear()
-                await self.flow.wait()
             msg = await conn.recv_tagged(0, 0)
             if msg.tag >> 56 == BODY_ERROR:
                 err = decode_stream_message(msg.view())
@@ -203,6 +218,10 @@ class _Session:
             await self._wait_window(seq)
             n = msg.view().nbytes
             self.in_flight += n
+            if self.in_flight >= limit and not self.reading_paused:
+                # Enough bodies wait for the consumer: stop reading (TCP then pushes back on the server).
+                self.reading_paused = True
+                conn.pause_reading()
             self._publish(self.stream.receive_body(msg.tag, msg.payload, n))
 
     def decode(self, ev: MessageReady | SchemaReceived) -> pa.RecordBatch | None:
@@ -216,6 +235,10 @@ class _Session:
         body = ev.body
         n = memoryview(body).nbytes if body is not None else 0  # type: ignore[arg-type]
         self.in_flight -= n
+        if self.reading_paused and self.in_flight < self.options.max_in_flight_bytes // 2:
+            self.reading_paused = False
+            if self.data_conn is not None:
+                self.data_conn.resume_reading()
         self.flow.set()
         batch = self.decoder.decode(ev.metadata, body)
         if batch is not None:

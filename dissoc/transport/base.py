@@ -454,6 +454,7 @@ class Connection(abc.ABC):
         self._tag_waiters = _TagWaiters()
         self._buffered = 0
         self._blocked = 0
+        self._paused_by_owner = False
         self._error: DissocError | None = None
         self._closed = False
 
@@ -618,6 +619,21 @@ class Connection(abc.ABC):
             return TransportError(f"{doing}: {self._description} is closed")
         return TransportError(f"{doing}: {self._error}")
 
+    def pause_reading(self) -> None:
+        """Stop taking messages from the peer (the owner's own flow control); held ones are still handed out.
+
+        Unlike the budget, this pause holds even while consumers wait: the owner knows that what they wait for
+        will come from messages already received (the client pauses its data connection once the bodies it
+        holds for its consumer reach their limit).
+        """
+        self._paused_by_owner = True
+
+    def resume_reading(self) -> None:
+        """Undo :meth:`pause_reading`."""
+        if self._paused_by_owner:
+            self._paused_by_owner = False
+            self._on_flow()
+
     def _admit(self, tagged: bool, tag: int, length: int, extra: int = 0) -> bool:
         """May a message of ``length`` bytes be received now? False: pause reading until :meth:`_on_flow`.
 
@@ -626,6 +642,8 @@ class Connection(abc.ABC):
         (reading on is then the only way forward) and the total stays under twice the budget; past that the
         connection would deadlock, and :class:`BufferLimitError` is raised instead.
         """
+        if self._paused_by_owner:
+            return False
         buffered = self._buffered + extra
         if buffered == 0 or buffered + length <= self._max_buffered_bytes:
             return True

@@ -338,7 +338,9 @@ class TcpConnection(Connection):
 
     def _read(self) -> None:
         sock = self._sock
-        budget = _READ_BUDGET
+        # No more per wake-up than the buffering budget: consumers get to claim what arrived before the next
+        # read, so a burst cannot pile up past the budget merely because they had no turn yet.
+        budget = min(_READ_BUDGET, self._max_buffered_bytes)
         try:
             while True:
                 target = self._target
