@@ -1,6 +1,6 @@
 """Test groups that default to what is installed.
 
-Markers: ``ucx`` (needs ucxx), ``gpu`` (needs cupy and a CUDA device), ``spark`` (needs pyspark and Java),
+Hypothesis runs derandomized when ``CI`` is set (profile ``ci``). Markers: ``ucx`` (needs ucxx), ``gpu`` (needs cupy and a CUDA device), ``spark`` (needs pyspark and Java),
 ``slow``. A marked test whose dependency is missing is skipped with a reason that names it; ``slow`` tests run
 by default (deselect with ``-m "not slow"``).
 """
@@ -8,10 +8,18 @@ by default (deselect with ``-m "not slow"``).
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 from functools import cache
 
 import pytest
+from hypothesis import settings
+
+# CI replays the same examples every run (a landing must not depend on luck); elsewhere hypothesis explores
+# new random examples each run, which is how it keeps finding edge cases.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
 @cache

@@ -215,6 +215,7 @@ class _Prepared:
     offsets: npt.NDArray[np.uint64]
     lengths: npt.NDArray[np.int64]
     body_length: int
+    absolute: bool = False
 
 
 def _relative_pointers(
@@ -241,6 +242,54 @@ def _relative_pointers(
             ptrs.append(np.array([sizes.ctypes.data], np.uint64))
             mask.append(np.zeros(1, bool))
     return np.concatenate(ptrs), np.concatenate(mask)
+
+
+def _concat(a: pa.Array, b: pa.Array) -> pa.Array:
+    """``a`` followed by ``b``. pyarrow cannot concatenate extension types nested in others: those are joined
+    as their storage types (the same memory, viewed through the C Data Interface) and viewed back."""
+    try:
+        return pa.concat_arrays([a, b])
+    except pa.ArrowNotImplementedError:
+        storage = _storage_type(a.type)
+        if storage.equals(a.type):
+            raise
+        return _view_as(pa.concat_arrays([_view_as(a, storage), _view_as(b, storage)]), a.type)
+
+
+def _view_as(array: pa.Array, ty: pa.DataType) -> pa.Array:
+    struct = pa.allocate_buffer(cdata.STRUCT_SIZE)
+    array._export_to_c(struct.address)
+    return pa.Array._import_from_c(struct.address, ty)
+
+
+def _storage_type(ty: pa.DataType) -> pa.DataType:
+    """``ty`` with every extension type replaced by its storage type."""
+    t = pa.types
+    if isinstance(ty, pa.BaseExtensionType):
+        return _storage_type(ty.storage_type)
+    if t.is_dictionary(ty):
+        return pa.dictionary(ty.index_type, _storage_type(ty.value_type), ty.ordered)
+    if ty.num_fields == 0:
+        return ty
+    fields = [ty.field(i) for i in range(ty.num_fields)]
+    inner = [f.with_type(_storage_type(f.type)) for f in fields]
+    if t.is_struct(ty):
+        return pa.struct(inner)
+    if t.is_map(ty):
+        return pa.map_(inner[0].type.field(0), inner[0].type.field(1), ty.keys_sorted)
+    if t.is_union(ty):
+        return pa.union(inner, ty.mode, list(ty.type_codes))
+    if t.is_run_end_encoded(ty):
+        return pa.run_end_encoded(inner[0].type, inner[1].type)
+    if t.is_fixed_size_list(ty):
+        return pa.list_(inner[0], ty.list_size)
+    factory = {
+        pa.lib.Type_LIST: pa.list_,
+        pa.lib.Type_LARGE_LIST: pa.large_list,
+        pa.lib.Type_LIST_VIEW: pa.list_view,
+        pa.lib.Type_LARGE_LIST_VIEW: pa.large_list_view,
+    }[ty.id]
+    return factory(inner[0])
 
 
 class MessageDecoder:
@@ -362,7 +411,7 @@ class MessageDecoder:
             if prev is None:
                 raise CodecError(f"DictionaryBatch: delta for id {dict_id} before any dictionary for it")
             try:
-                values = pa.concat_arrays([prev, values])
+                values = _concat(prev, values)
             except pa.ArrowException as e:
                 raise CodecError(f"DictionaryBatch: cannot apply delta to id {dict_id}: {e}") from None
         elif prev is not None and not self.allow_dictionary_replacement:
@@ -436,17 +485,29 @@ class MessageDecoder:
 
     def _prepare(self, c: _Compiled, h: RecordBatchHeader, body_length: int) -> _Prepared:
         """Everything about an uncompressed batch that depends on its metadata alone (cached per metadata)."""
-        nodes = h.nodes
         nbuf = self._layout(c, h, body_length)
-        offs = h.buffers[:, 0]
-        lens = h.buffers[:, 1]
-        self._check_sizes(c, nodes, nbuf, lens)
+        self._check_sizes(c, h.nodes, nbuf, h.buffers[:, 1])
+        return self._template(c, h, nbuf, h.buffers[:, 0].astype(np.uint64), h.buffers[:, 1], body_length)
+
+    def _template(
+        self,
+        c: _Compiled,
+        h: RecordBatchHeader,
+        nbuf: npt.NDArray[np.int64],
+        addresses: npt.NDArray[np.uint64],
+        lens: npt.NDArray[np.int64],
+        body_length: int | None,
+    ) -> _Prepared:
+        """The struct tree for a batch; ``addresses`` are body offsets, or absolute when ``body_length`` is
+        None (buffers rewritten into memory of their own)."""
+        nodes = h.nodes
         first = _exclusive_cumsum(nbuf)
-        # Buffer pointers relative to the body; empty buffers point at shared zeros, and a validity bitmap
-        # of a node without nulls is NULL.
-        rel = offs.astype(np.uint64)
-        in_body = lens != 0
-        rel[~in_body] = cdata.ZERO_ADDRESS
+        # Buffer pointers (relative to the body unless absolute); empty buffers point at shared zeros, and a
+        # validity bitmap of a node without nulls is NULL.
+        rel = addresses.copy()
+        empty = lens == 0
+        rel[empty] = cdata.ZERO_ADDRESS
+        in_body = ~empty if body_length is not None else np.zeros(len(lens), bool)
         vnodes = np.flatnonzero(c.has_validity & (nodes[:, 1] == 0))
         if vnodes.size:
             vpos = first[vnodes] + c.drop_first[vnodes]
@@ -494,9 +555,10 @@ class MessageDecoder:
             nodes=nodes,
             nbuf=nbuf,
             first=first,
-            offsets=offs.astype(np.uint64),
+            offsets=addresses,
             lengths=lens,
-            body_length=body_length,
+            body_length=body_length or 0,
+            absolute=body_length is None,
         )
 
     def _instantiate(self, c: _Compiled, prep: _Prepared, body: pa.Buffer) -> pa.RecordBatch:
@@ -508,7 +570,7 @@ class MessageDecoder:
                 raise CodecError(
                     f"RecordBatch: dictionary id {did} is used before any DictionaryBatch for it"
                 )
-        address = body.address
+        address = 0 if prep.absolute else body.address
         small = prep.nodes[0, 0] <= _SMALL_BATCH_ROWS if len(prep.nodes) else True
         checked = c.checked if small else c.checked_all
         if checked and self.validate:
@@ -537,127 +599,16 @@ class MessageDecoder:
         self, c: _Compiled, h: RecordBatchHeader, body: pa.Buffer, body_length: int
     ) -> pa.RecordBatch:
         """Compressed or big-endian bodies: buffers are rewritten into new memory first."""
-        assert self._info is not None
-        nodes = h.nodes
-        if len(nodes) != c.n_nodes:
-            raise CodecError(
-                f"RecordBatch: the schema has {c.n_nodes} field nodes, the message lists {len(nodes)}"
-            )
-        nbuf = c.nbuf_ipc
-        if c.view_nodes.size:
-            vc = h.variadic_counts
-            if vc is None or len(vc) != len(c.view_nodes):
-                raise CodecError(
-                    f"RecordBatch: {len(c.view_nodes)} view fields need as many variadicBufferCounts, "
-                    f"got {0 if vc is None else len(vc)}"
-                )
-            if int(vc.max()) > 1 << 20:
-                raise CodecError(f"RecordBatch: variadicBufferCounts {int(vc.max())} is implausibly large")
-            nbuf = nbuf.copy()
-            nbuf[c.view_nodes] += vc
-        elif h.variadic_counts is not None and len(h.variadic_counts):
-            raise CodecError(
-                f"RecordBatch: variadicBufferCounts has {len(h.variadic_counts)} entries, the schema no views"
-            )
-        buffers = h.buffers
-        total = int(nbuf.sum()) if c.view_nodes.size else c.total_buffers
-        if len(buffers) != total:
-            raise CodecError(
-                f"RecordBatch: the schema needs {total} buffers, the message lists {len(buffers)}"
-            )
-        limit = min(body.size, body_length)
-        offs = buffers[:, 0]
-        lens = buffers[:, 1]
-        # Both columns are >= 0 (checked when parsed), so once neither exceeds the limit their sum cannot
-        # overflow.
-        if len(buffers) and (int(buffers.max()) > limit or int((offs + lens).max()) > limit):
-            bad = int(np.flatnonzero((lens > limit) | (offs > limit - lens))[0])
-            raise CodecError(
-                f"RecordBatch: buffer {bad} (offset {int(offs[bad])}, length {int(lens[bad])}) lies outside "
-                f"the {limit}-byte body"
-            )
+        nbuf = self._layout(c, h, min(body.size, body_length))
         keep = cdata.Keepalive()
-        keep.objects.append(body)
-        lengths = lens
-        transformed = h.compression is not None or self._info.big_endian
-        if not transformed:
-            self._check_sizes(c, nodes, nbuf, lens)
-        if c.simple and not transformed:
-            addrs = None
-        else:
-            addrs = offs.astype(np.uint64) + np.uint64(body.address)
-            if transformed:
-                addrs, lengths = self._transform_buffers(
-                    c, h, nbuf, _exclusive_cumsum(nbuf), body, addrs, keep
-                )
-                self._check_sizes(c, nodes, nbuf, lengths)
-        for _, did in c.dict_nodes:
-            if did not in self.dictionaries:
-                raise CodecError(
-                    f"RecordBatch: dictionary id {did} is used before any DictionaryBatch for it"
-                )
-        checked = c.checked if h.length <= _SMALL_BATCH_ROWS else c.checked_all
-        if checked and self.validate:
-            if addrs is None:
-                addrs_now = offs.astype(np.uint64) + np.uint64(body.address)
-                self._check(c, nodes, nbuf, _exclusive_cumsum(nbuf), addrs_now, lengths, checked)
-            else:
-                self._check(c, nodes, nbuf, _exclusive_cumsum(nbuf), addrs, lengths, checked)
-        n = c.n_nodes
-        if addrs is None:
-            nptr = len(offs) + 1
-            cbuf_rel = c.buf_rel
-        else:
-            first = _exclusive_cumsum(nbuf)
-            addrs[lengths == 0] = cdata.ZERO_ADDRESS
-            vnodes = np.flatnonzero(c.has_validity & (nodes[:, 1] == 0))
-            if vnodes.size:
-                addrs[first[vnodes] + c.drop_first[vnodes]] = 0
-            ptr_list = self._c_pointers(c, nbuf, first, addrs, lengths, keep)
-            nptr = len(ptr_list)
-            nbuf_c = nbuf - c.drop_first + (c.layouts == Layout.VIEW)
-            cbuf_rel = np.zeros(n + 1, np.uint64)
-            cbuf_rel[1:] = (np.uint64(1) + _exclusive_cumsum(nbuf_c).astype(np.uint64)) * np.uint64(8)
-        nkid = len(c.child_idx)
-        # One allocation for the structs, the buffer pointer list and the child pointer list.
-        mem = pa.allocate_buffer(8 * (10 * (n + 1) + nptr + nkid))
-        keep.objects.append(mem)
-        words = np.frombuffer(mem, np.uint64)
-        structs = words[: 10 * (n + 1)].reshape(n + 1, 10)
-        ptrs = words[10 * (n + 1) : 10 * (n + 1) + nptr]
-        kids = words[10 * (n + 1) + nptr :]
-        base = mem.address
-        structs[:] = c.template
-        structs[1:, 0:2] = nodes
-        structs[0, 0] = h.length
-        if c.null_nodes.size:
-            structs[c.null_nodes + 1, 1] = nodes[c.null_nodes, 0]
-        if addrs is None:
-            ptrs[0] = 0
-            np.add(offs, body.address, out=ptrs[1:], casting="unsafe")
-            # Empty buffers are passed as NULL: an address past them may hold anything (an empty offsets
-            # buffer must not be read as offsets[0]).
-            empty = lens == 0
-            if empty.any():
-                ptrs[1:][empty] = cdata.ZERO_ADDRESS
-            if c.validity_pos.size:
-                ptrs[c.validity_pos] *= nodes[c.validity_nodes, 1] != 0
-        else:
-            ptrs[:] = ptr_list
-            structs[1:, 3] = nbuf_c
-        structs[:, 5] = cbuf_rel + np.uint64(base + 80 * (n + 1))
-        if nkid:
-            kbase = base + 80 * (n + 1) + 8 * nptr
-            np.add(c.child_idx80, np.uint64(base), out=kids)
-            structs[:, 6] = (c.child_rel + np.uint64(kbase)) * c.has_kids
-        for i, did in c.dict_nodes:
-            structs[i + 1, 7] = cdata.export_array(self.dictionaries[did], keep)
-        try:
-            batch = cdata.import_batch(structs, base, c.schema, keep)
-        except (pa.ArrowException, ValueError, TypeError) as e:
-            raise CodecError(f"RecordBatch: invalid layout: {e}") from None
-        self._validate(c, batch, h.length <= _SMALL_BATCH_ROWS)
-        return batch
+        addresses = h.buffers[:, 0].astype(np.uint64) + np.uint64(body.address)
+        addresses, lengths = self._transform_buffers(
+            c, h, nbuf, _exclusive_cumsum(nbuf), body, addresses, keep
+        )
+        self._check_sizes(c, h.nodes, nbuf, lengths)
+        prep = self._template(c, h, nbuf, addresses, lengths, None)
+        prep.extra.extend(keep.objects)
+        return self._instantiate(c, prep, body)
 
     def _validate(self, c: _Compiled, batch: pa.RecordBatch, small: bool) -> None:
         try:
@@ -727,28 +678,6 @@ class MessageDecoder:
                 [int(nodes[k, 0]) for k in kids],
                 dlen,
             )
-
-    def _c_pointers(
-        self,
-        c: _Compiled,
-        nbuf: npt.NDArray[np.int64],
-        first: npt.NDArray[np.int64],
-        addrs: npt.NDArray[np.uint64],
-        lengths: npt.NDArray[np.int64],
-        keep: cdata.Keepalive,
-    ) -> npt.NDArray[np.uint64]:
-        """The C Data Interface buffer list: drop V4 union validity, add the view nodes' variadic sizes."""
-        out: list[Any] = [np.zeros(1, np.uint64)]
-        for i in range(c.n_nodes):
-            s, e = int(first[i]), int(first[i] + nbuf[i])
-            if c.drop_first[i]:
-                s += 1
-            out.append(addrs[s:e])
-            if c.layouts[i] == Layout.VIEW:
-                sizes = np.ascontiguousarray(lengths[first[i] + 2 : first[i] + nbuf[i]], np.int64)
-                keep.objects.append(sizes)
-                out.append(np.array([sizes.ctypes.data], np.uint64))
-        return np.concatenate(out)
 
     def _transform_buffers(
         self,

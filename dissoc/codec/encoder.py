@@ -291,6 +291,16 @@ def _reinterpret(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
     return pa.RecordBatch._import_from_c(struct.address, schema)
 
 
+def _delta_safe(ty: pa.DataType, top: bool = True) -> bool:
+    """Whether readers (pyarrow's included) can append a delta to a dictionary of this value type: not over
+    nested dictionaries, nor extension types below the top level (pyarrow cannot concatenate those)."""
+    if pa.types.is_dictionary(ty):
+        return False
+    if isinstance(ty, pa.BaseExtensionType):
+        return top and _delta_safe(ty.storage_type, False)
+    return all(_delta_safe(ty.field(i).type, False) for i in range(ty.num_fields))
+
+
 class MessageEncoder:
     """Encode record batches of one schema into IPC messages, split into metadata and body buffers.
 
@@ -355,6 +365,7 @@ class MessageEncoder:
         if prev is not None:
             if (
                 self.emit_dictionary_deltas
+                and _delta_safe(dictionary.type)
                 and len(dictionary) >= len(prev)
                 and dictionary.slice(0, len(prev)).equals(prev)
             ):

@@ -1,22 +1,27 @@
 """Reassembling a Dissociated IPC stream: metadata and bodies in, complete messages out in sequence order.
 
 Metadata messages (from the metadata stream) and bodies (from the data stream) may arrive in any order
-relative to each other, and metadata messages may even arrive out of order among themselves. A message is
-*complete* once its metadata has arrived and, if the metadata says it has a body, its body too. Complete
-messages are released strictly in sequence order as soon as every earlier one has been released.
+relative to each other, and metadata messages may also arrive out of order among themselves -- even before
+the schema (sequence number ``start_seq``, normally 0): the spec has sequence numbers exist "to ensure we do
+not rely on messages having to arrive in order". A message is *complete* once its metadata has arrived and,
+if the metadata says it has a body, its body too. Complete messages are released strictly in sequence order
+as soon as every earlier one has been released, so nothing is released before the schema.
 
-Memory is bounded against a hostile or broken peer: anything for a sequence number more than ``window``
+Memory is bounded against a hostile or broken peer: anything for a sequence number ``window`` or more
 messages ahead of the next one to release is refused with :class:`~dissoc.errors.ResourceError`, as is
 anything that would make the buffered bytes exceed ``max_pending_bytes``. Drivers reading the two streams
-independently can use :meth:`ReorderBuffer.accepts` to apply backpressure instead of hitting the window.
+independently can use :meth:`ReorderBuffer.classify` to apply backpressure instead of hitting the window.
 
 The end-of-stream message carries the next unused sequence number (the count of metadata messages sent,
-modulo 2**32). Since it is the last message on the metadata stream, every metadata message before it must
-have arrived when it does; bodies may still be outstanding.
+modulo 2**32). It may overtake metadata messages as well as bodies: the buffer records the count, keeps
+accepting metadata and bodies for the sequence numbers before it, refuses any for the sequence numbers at or
+after it (:class:`~dissoc.errors.ProtocolError`), and is *finished* once every message before it has been
+released.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass
 from typing import Final, Generic, TypeVar
@@ -28,7 +33,6 @@ from dissoc.protocol.seq import (
     check_seq,
     fmt_seq,
     next_seq,
-    seq_add,
     seq_diff,
     seq_distance,
 )
@@ -39,6 +43,7 @@ __all__ = [
     "DEFAULT_WINDOW",
     "Complete",
     "ReorderBuffer",
+    "SeqClass",
 ]
 
 _log = logging.getLogger(__name__)
@@ -53,6 +58,44 @@ _MAX_LISTED: Final = 16  # sequence numbers named in one error message
 
 M = TypeVar("M")
 B = TypeVar("B")
+
+
+class SeqClass(enum.IntEnum):
+    """Where an incoming sequence number stands, as :meth:`ReorderBuffer.classify` reports it.
+
+    The sign tells a driver what to do with the input (metadata or body) carrying it:
+
+    * negative -- pass it on at once: the buffer will raise :class:`~dissoc.errors.ProtocolError` for it, and
+      waiting would never change that (``RELEASED``, ``PAST_END``; ``FAILED`` from
+      :meth:`~dissoc.protocol.state.ClientStream.classify` only);
+    * zero -- pass it on now (``ACCEPT``);
+    * positive -- it is ahead of the window (``AHEAD``): passing it on now raises
+      :class:`~dissoc.errors.ResourceError`; a driver that would rather apply backpressure waits until
+      releases move the window (the answer changes only when messages are released).
+
+    So ``classify(seq) > 0`` is the whole "should I wait?" test. The values are plain ints
+    (:class:`enum.IntEnum`), so comparing with ``<``, ``==`` or ``>`` against 0 works.
+    """
+
+    FAILED = -3
+    """The stream has failed (:class:`~dissoc.protocol.state.ClientStream` only): every input raises."""
+    RELEASED = -2
+    """Behind the next message to release: already released, so any input for it is a duplicate."""
+    PAST_END = -1
+    """At or after the count the end-of-stream message carried: no metadata or body may exist for it."""
+    ACCEPT = 0
+    """Inside the window (and before the end-of-stream count, if known): input for it is taken now, unless
+    it breaks another rule (a duplicate of something held, a body for a message without one, the byte
+    limit)."""
+    AHEAD = 1
+    """Before the end-of-stream count (or none known yet) but ``window`` or more ahead of the next message to
+    release: input for it raises :class:`~dissoc.errors.ResourceError` until enough messages are released."""
+
+
+_RELEASED: Final = SeqClass.RELEASED
+_PAST_END: Final = SeqClass.PAST_END
+_ACCEPT: Final = SeqClass.ACCEPT
+_AHEAD: Final = SeqClass.AHEAD
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +177,10 @@ class ReorderBuffer(Generic[M, B]):
     ``M`` is the type of the metadata objects and ``B`` of the bodies; the buffer never looks inside either.
     Every method either accepts its input completely or raises and leaves the buffer unchanged.
 
+    Metadata, bodies and the end of stream may arrive in any order, as long as everything stays inside the
+    window: the schema (``start_seq``) need not come first (nothing is released before it), and the
+    end-of-stream message may come before metadata or bodies for the sequence numbers below its count.
+
     :param window: input is accepted only for sequence numbers less than ``window`` ahead of :attr:`next_seq`.
     :param max_pending_bytes: bound on :attr:`pending_bytes`; input that would exceed it raises
         :class:`~dissoc.errors.ResourceError`.
@@ -159,7 +206,7 @@ class ReorderBuffer(Generic[M, B]):
         self._released = 0
         self._slots: dict[int, _Slot[M, B]] = {}
         self._pending_bytes = 0
-        self._metadata_seen = 0
+        self._held_metadata = 0  # slots whose metadata has arrived (none is released without it)
         self._eos: int | None = None
 
     # -- introspection ---------------------------------------------------------------------------------------
@@ -173,6 +220,11 @@ class ReorderBuffer(Generic[M, B]):
     def max_pending_bytes(self) -> int:
         """Bound on :attr:`pending_bytes`."""
         return self._max_pending_bytes
+
+    @property
+    def start_seq(self) -> int:
+        """The sequence number of the first message (the schema)."""
+        return self._start
 
     @property
     def next_seq(self) -> int:
@@ -201,8 +253,19 @@ class ReorderBuffer(Generic[M, B]):
 
     @property
     def ended(self) -> bool:
-        """Whether the end-of-stream message has arrived."""
+        """Whether the end-of-stream message has arrived (messages before it may still be outstanding)."""
         return self._eos is not None
+
+    @property
+    def metadata_complete(self) -> bool:
+        """End of stream seen and the metadata for every sequence number before its count arrived.
+
+        Nothing more is due on the metadata stream then (the spec: after end of stream "it is safe to close
+        the metadata connection if there are no gaps in the sequence numbers received"); bodies may still be
+        outstanding. Constant time.
+        """
+        eos = self._eos
+        return eos is not None and self._held_metadata == ((eos - self._next) & SEQ_MAX)
 
     @property
     def finished(self) -> bool:
@@ -210,24 +273,64 @@ class ReorderBuffer(Generic[M, B]):
         return self._eos is not None and self._next == self._eos and not self._slots
 
     def accepts(self, seq: int) -> bool:
-        """Whether ``seq`` is inside the window (a driver can stop reading a stream until it is)."""
+        """Whether ``seq`` is inside the window: less than :attr:`window` ahead of :attr:`next_seq`.
+
+        This looks at the window only: it is false both for sequence numbers ahead of the window and for
+        those already released (which will never become acceptable), and true for sequence numbers at or
+        after a known end of stream if they are inside the window. A driver deciding whether to wait should
+        use :meth:`classify`, which tells these apart.
+        """
         return 0 <= seq_diff(seq, self._next) < self._window
+
+    def classify(self, seq: int) -> SeqClass:
+        """Where input (metadata or body) for ``seq`` stands now; constant time, changes nothing.
+
+        Returns, checking in this order:
+
+        * :attr:`SeqClass.RELEASED` (-2) -- ``seq`` is behind :attr:`next_seq` (more than half the sequence
+          space ahead counts as behind): already released, so the input is a duplicate and
+          ``add_metadata``/``add_body`` raise :class:`~dissoc.errors.ProtocolError`;
+        * :attr:`SeqClass.PAST_END` (-1) -- the end-of-stream message has arrived and ``seq`` is at or after
+          its count: the input raises :class:`~dissoc.errors.ProtocolError`;
+        * :attr:`SeqClass.AHEAD` (1) -- ``seq`` is :attr:`window` or more ahead of :attr:`next_seq`: the input
+          raises :class:`~dissoc.errors.ResourceError` now, but may be accepted once earlier messages have
+          been released;
+        * :attr:`SeqClass.ACCEPT` (0) -- otherwise: the input is taken now unless it breaks a rule that
+          depends on what is held (a duplicate of held metadata or body, a body for a message without one,
+          the byte limit).
+
+        A driver reading the metadata and data streams separately waits while the answer is positive and
+        passes the input on otherwise, so that a duplicate or an input past the end fails the stream at once
+        rather than stalling it. (Waiting only makes progress if the messages missing before ``seq`` come
+        on a stream that is still being read.)
+        """
+        if type(seq) is not int or not 0 <= seq <= SEQ_MAX:
+            check_seq(seq)  # raises
+        nxt = self._next
+        d = (seq - nxt) & SEQ_MAX
+        if d >= SEQ_HALF:
+            return _RELEASED
+        eos = self._eos
+        if eos is not None and d >= ((eos - nxt) & SEQ_MAX):
+            return _PAST_END
+        if d >= self._window:
+            return _AHEAD
+        return _ACCEPT
 
     def missing(self, limit: int = _MAX_LISTED) -> list[int]:
         """Up to ``limit`` sequence numbers, in order, that still lack their metadata or body.
 
-        Before end of stream only held messages are considered (the stream's length is not known yet).
+        After end of stream every sequence number before its count is considered. Before it the stream's
+        length is not known, so only those up to the furthest one with something held are (the gaps below
+        it included).
         """
+        if self._eos is not None:
+            span = seq_distance(self._next, self._eos)
+        elif self._slots:
+            span = 1 + max(seq_distance(self._next, s) for s in self._slots)
+        else:
+            span = 0
         out: list[int] = []
-        if self._eos is None:
-            for off in sorted(seq_distance(self._next, s) for s in self._slots):
-                seq = seq_add(self._next, off)
-                if not self._slots[seq].complete:
-                    out.append(seq)
-                    if len(out) >= limit:
-                        break
-            return out
-        span = seq_distance(self._next, self._eos)
         seq = self._next
         for _ in range(span):
             slot = self._slots.get(seq)
@@ -241,7 +344,8 @@ class ReorderBuffer(Generic[M, B]):
     # -- input -----------------------------------------------------------------------------------------------
 
     def _offset(self, seq: int, what: object) -> int:
-        """Distance of ``seq`` ahead of the next message to release, checked against the window."""
+        """Distance of ``seq`` ahead of the next message to release, checked against the end of stream and
+        the window (the checks of :meth:`classify`, raising)."""
         if type(seq) is not int or not 0 <= seq <= SEQ_MAX:
             check_seq(seq)  # raises
         d = (seq - self._next) & SEQ_MAX
@@ -249,6 +353,12 @@ class ReorderBuffer(Generic[M, B]):
             raise ProtocolError(
                 f"{what} for seq {fmt_seq(seq)}: expected seq {fmt_seq(self._next)} or later, but "
                 f"{fmt_seq(seq)} was already released (duplicate?)"
+            )
+        eos = self._eos
+        if eos is not None and d >= ((eos - self._next) & SEQ_MAX):
+            raise ProtocolError(
+                f"{what} for seq {fmt_seq(seq)}: expected only seqs before the end of stream "
+                f"(seq {fmt_seq(eos)}, the count of metadata messages), got one at or after it"
             )
         if d >= self._window:
             raise ResourceError(
@@ -268,23 +378,15 @@ class ReorderBuffer(Generic[M, B]):
     def add_metadata(self, seq: int, metadata: M, has_body: bool, nbytes: int = 0) -> list[Complete[M, B]]:
         """Add the metadata of message ``seq``; return the messages now releasable, in order.
 
+        Metadata may arrive in any order, before the schema's too (it is held until every earlier message
+        has been released), and after the end-of-stream message for the sequence numbers below its count.
         ``nbytes`` is the metadata's size, counted against ``max_pending_bytes`` while it waits.
-        Raises :class:`~dissoc.errors.ProtocolError` after end of stream, if the first metadata is not
-        ``start_seq``, for a duplicate, or if a body already arrived but ``has_body`` is false;
+        Raises :class:`~dissoc.errors.ProtocolError` for a seq already released or held (a duplicate), at or
+        after the end-of-stream count, or if a body already arrived but ``has_body`` is false;
         :class:`~dissoc.errors.ResourceError` outside the window or over the byte limit.
         """
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
-        if self._eos is not None:
-            raise ProtocolError(
-                f"metadata for seq {fmt_seq(check_seq(seq))}: expected nothing more on the metadata stream "
-                f"after end of stream (seq {fmt_seq(self._eos)})"
-            )
-        if self._metadata_seen == 0 and seq != self._start:
-            raise ProtocolError(
-                f"first metadata message: expected seq {fmt_seq(self._start)} (the schema), "
-                f"got {fmt_seq(seq)}"
-            )
         self._offset(seq, "metadata")
         slot = self._slots.get(seq)
         if slot is not None:
@@ -304,26 +406,21 @@ class ReorderBuffer(Generic[M, B]):
         slot.has_body = has_body
         slot.meta_nbytes = nbytes
         self._pending_bytes += nbytes
-        self._metadata_seen += 1
+        self._held_metadata += 1
         _log.debug("metadata seq=0x%08x has_body=%s (%d bytes)", seq, has_body, nbytes)
         return self._release()
 
     def add_body(self, seq: int, body_type: int, body: B, nbytes: int) -> list[Complete[M, B]]:
         """Add the body of message ``seq``; return the messages now releasable, in order.
 
-        Raises :class:`~dissoc.errors.ProtocolError` for a duplicate body, a body whose metadata said there is
-        none, or a body beyond the end of stream; :class:`~dissoc.errors.ResourceError` outside the window or
-        over the byte limit.
+        Raises :class:`~dissoc.errors.ProtocolError` for a seq already released, a duplicate body, a body
+        whose metadata said there is none, or a body at or after the end-of-stream count;
+        :class:`~dissoc.errors.ResourceError` outside the window or over the byte limit.
         """
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
         what = _BodyWhat(body_type)
-        off = self._offset(seq, what)
-        if self._eos is not None and off >= seq_distance(self._next, self._eos):
-            raise ProtocolError(
-                f"{what} for seq {fmt_seq(seq)}: expected only seqs before the end of stream "
-                f"(seq {fmt_seq(self._eos)}), and no metadata was sent for this one"
-            )
+        self._offset(seq, what)
         slot = self._slots.get(seq)
         if slot is not None:
             if slot.body_arrived:
@@ -344,56 +441,47 @@ class ReorderBuffer(Generic[M, B]):
         return self._release()
 
     def end(self, eos_seq: int) -> list[Complete[M, B]]:
-        """Record the end-of-stream message carrying ``eos_seq`` (the next unused sequence number).
+        """Record the end-of-stream message carrying ``eos_seq`` (the next unused sequence number, that is the
+        count of metadata messages modulo 2**32).
 
-        Every metadata message before ``eos_seq`` must have arrived already (end of stream is the last message
-        on the metadata stream); bodies may still follow. Returns the messages now releasable (end of stream
-        itself never completes one, so this is empty; the list is for symmetry). Raises
-        :class:`~dissoc.errors.ProtocolError` for a second end of stream, an ``eos_seq`` that is not the one
-        after the last metadata, gaps, or bodies held for sequence numbers at or after ``eos_seq``.
+        It may arrive before metadata and bodies for the sequence numbers below it; those are still accepted
+        afterwards, and the buffer is :attr:`finished` once all of them have been released. Input for
+        sequence numbers at or after ``eos_seq`` is refused from then on. The count is not bounded by the
+        window (it holds no memory). Returns the messages now releasable (end of stream itself never
+        completes one, so this is empty; the list is for symmetry). Raises
+        :class:`~dissoc.errors.ProtocolError` for a second end of stream, an ``eos_seq`` behind
+        :attr:`next_seq` (lower than a seq already released), or metadata or bodies held for sequence numbers
+        at or after ``eos_seq``.
         """
         check_seq(eos_seq)
         where = f"end of stream (seq {fmt_seq(eos_seq)})"
         if self._eos is not None:
-            raise ProtocolError(f"{where}: expected one end-of-stream message, got a second")
+            raise ProtocolError(
+                f"{where}: expected one end-of-stream message, got a second (the first carried "
+                f"{fmt_seq(self._eos)})"
+            )
         span = seq_distance(self._next, eos_seq)
+        if span >= SEQ_HALF:
+            raise ProtocolError(
+                f"{where}: expected seq {fmt_seq(self._next)} or later ({self._released} message(s) "
+                f"already released), got {fmt_seq(eos_seq)} which is behind it"
+            )
         beyond_meta: list[int] = []
         orphan_bodies: list[int] = []
-        present = 0
         for seq, slot in self._slots.items():
-            inside = seq_distance(self._next, seq) < span
-            if slot.meta_arrived:
-                if inside:
-                    present += 1
-                else:
-                    beyond_meta.append(seq)
-            elif not inside:
-                orphan_bodies.append(seq)
+            if seq_distance(self._next, seq) >= span:
+                (beyond_meta if slot.meta_arrived else orphan_bodies).append(seq)
         if beyond_meta:
             last = max(beyond_meta, key=lambda s: seq_distance(self._next, s))
             raise ProtocolError(
-                f"{where}: expected the seq after the last metadata message, {fmt_seq(next_seq(last))}, "
-                f"got {fmt_seq(eos_seq)}"
+                f"{where}: expected a seq after every metadata message received, at least "
+                f"{fmt_seq(next_seq(last))}, got {fmt_seq(eos_seq)}"
             )
         if orphan_bodies:
             orphan_bodies.sort(key=lambda s: seq_distance(self._next, s))
             raise ProtocolError(
-                f"{where}: expected bodies only for seqs with metadata, got bodies for seqs without: "
+                f"{where}: expected bodies only for seqs before it, got bodies for seqs at or after it: "
                 f"{_fmt_seqs(orphan_bodies[:_MAX_LISTED], len(orphan_bodies) > _MAX_LISTED)}"
-            )
-        if present != span:
-            gaps: list[int] = []
-            seq = self._next
-            for _ in range(span):
-                found = self._slots.get(seq)
-                if found is None or not found.meta_arrived:
-                    gaps.append(seq)
-                    if len(gaps) > _MAX_LISTED:
-                        break
-                seq = next_seq(seq)
-            raise ProtocolError(
-                f"{where}: expected metadata for every seq before it, missing "
-                f"{span - present}: {_fmt_seqs(gaps[:_MAX_LISTED], len(gaps) > _MAX_LISTED)}"
             )
         self._eos = eos_seq
         _log.debug("end of stream seq=%s (%d messages outstanding)", fmt_seq(eos_seq), span)
@@ -402,19 +490,38 @@ class ReorderBuffer(Generic[M, B]):
     def close(self) -> None:
         """Declare that no more input will arrive; raise :class:`~dissoc.errors.ProtocolError` unless done.
 
-        The error names what never arrived (the end of stream, or the sequence numbers still lacking a body).
+        The error names what never arrived: the end of stream, and the sequence numbers still lacking their
+        metadata or body.
         """
         if self.finished:
             return
         missing = self.missing(_MAX_LISTED + 1)
-        listed = _fmt_seqs(missing[:_MAX_LISTED], len(missing) > _MAX_LISTED)
+        more = len(missing) > _MAX_LISTED
         if self._eos is None:
+            listed = _fmt_seqs(missing[:_MAX_LISTED], more)
             raise ProtocolError(
                 f"stream closed: expected an end-of-stream message, got none after {self._released} released "
                 f"message(s) (next expected seq {fmt_seq(self._next)}; incomplete: {listed or 'none'})"
             )
+        no_meta: list[int] = []
+        no_body: list[int] = []
+        for seq in missing[:_MAX_LISTED]:
+            slot = self._slots.get(seq)
+            (no_body if slot is not None and slot.meta_arrived else no_meta).append(seq)
+        parts: list[str] = []
+        if no_meta:
+            parts.append(f"metadata for seqs {_fmt_seqs(no_meta, False)}")
+        if no_body:
+            parts.append(f"bodies for seqs {_fmt_seqs(no_body, False)}")
+        if no_meta:
+            expected = (
+                f"metadata for every seq before the end of stream ({fmt_seq(self._eos)}) "
+                "and a body for every message that has one"
+            )
+        else:
+            expected = "a body for every message that has one"
         raise ProtocolError(
-            f"stream closed: expected a body for every message that has one, missing bodies for seqs {listed}"
+            f"stream closed: expected {expected}, missing {'; '.join(parts)}{', ...' if more else ''}"
         )
 
     # -- output ----------------------------------------------------------------------------------------------
@@ -429,6 +536,7 @@ class ReorderBuffer(Generic[M, B]):
             slot = held
             del slots[self._next]
             self._pending_bytes -= slot.meta_nbytes + slot.body_nbytes
+            self._held_metadata -= 1
             out.append(
                 Complete(
                     self._next,

@@ -27,7 +27,13 @@ from dissoc.protocol.framing import (
     encode_metadata_header,
 )
 from dissoc.protocol.pairs import decode_pairs
-from dissoc.protocol.reorder import DEFAULT_MAX_PENDING_BYTES, DEFAULT_WINDOW, Complete, ReorderBuffer
+from dissoc.protocol.reorder import (
+    DEFAULT_MAX_PENDING_BYTES,
+    DEFAULT_WINDOW,
+    Complete,
+    ReorderBuffer,
+    SeqClass,
+)
 from dissoc.protocol.seq import check_seq, fmt_seq, next_seq
 from dissoc.protocol.tags import BODY_PACKED, BODY_PAIRS, fmt_tag, make_body_tag, parse_body_tag
 
@@ -37,6 +43,7 @@ __all__ = [
     "ClientStream",
     "MessageReady",
     "SchemaReceived",
+    "SeqClass",
     "ServerMessage",
     "ServerState",
     "ServerStream",
@@ -175,12 +182,16 @@ class ClientState(enum.Enum):
     """Life cycle of a :class:`ClientStream`."""
 
     AWAITING_SCHEMA = "awaiting schema"
+    """Nothing released yet: the schema has not arrived (other messages may be held waiting for it)."""
     STREAMING = "streaming"
+    """The schema has been released; no end of stream yet."""
     ENDED = "ended"
-    """End of stream received; bodies may still be outstanding."""
+    """End of stream received; metadata (even the schema's) and bodies before its count may still be
+    outstanding."""
     FINISHED = "finished"
-    """End of stream received and every message released."""
+    """End of stream received and every message before it released."""
     FAILED = "failed"
+    """An error ended the stream; every further input raises."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,10 +255,15 @@ class ClientStream:
     :param max_pending_bytes: see :class:`~dissoc.protocol.reorder.ReorderBuffer`.
     :param start_seq: the schema's sequence number (0 in the protocol).
 
-    The first message must carry ``start_seq`` and have no body. An error message raises
-    :class:`~dissoc.errors.RemoteError`; a peer breaking the rules raises
-    :class:`~dissoc.errors.ProtocolError` (or :class:`~dissoc.errors.ResourceError` past the limits). After
-    any error the stream is failed and every further call raises :class:`~dissoc.errors.ProtocolError`.
+    Messages may arrive in any order within the window: metadata out of order (even before the schema, which
+    is held until it arrives), bodies before or after their metadata, and the end-of-stream message before
+    metadata or bodies for the sequence numbers below its count; events come out in sequence order all the
+    same, and :class:`StreamEnded` once every message before the end-of-stream count has been released. The
+    message at ``start_seq`` must be the schema (no body); that is checked when it arrives. An error message
+    raises :class:`~dissoc.errors.RemoteError`; a peer breaking the rules raises
+    :class:`~dissoc.errors.ProtocolError` (duplicates, input at or after the end-of-stream count, a second
+    end of stream, ...) or :class:`~dissoc.errors.ResourceError` past the limits. After any error the stream
+    is failed and every further call raises :class:`~dissoc.errors.ProtocolError`.
     """
 
     def __init__(
@@ -262,8 +278,8 @@ class ClientStream:
         self._reorder: ReorderBuffer[memoryview, object] = ReorderBuffer(
             window=window, max_pending_bytes=max_pending_bytes, start_seq=start_seq
         )
+        self._start = check_seq(start_seq)
         self._state = ClientState.AWAITING_SCHEMA
-        self._got_metadata = False
         self._schema_released = False
         self._failure: BaseException | None = None
 
@@ -278,6 +294,16 @@ class ClientStream:
     def finished(self) -> bool:
         """End of stream received and every message released."""
         return self._state is ClientState.FINISHED
+
+    @property
+    def metadata_complete(self) -> bool:
+        """End of stream received and the metadata for every sequence number before its count too.
+
+        Nothing more is due on the metadata stream: a driver can stop reading it (bodies may still be
+        outstanding). Until then it must keep reading even after the end-of-stream message, which may
+        overtake metadata messages. See ``ReorderBuffer.metadata_complete``.
+        """
+        return self._reorder.metadata_complete
 
     @property
     def failed(self) -> bool:
@@ -300,8 +326,37 @@ class ClientStream:
         return self._reorder.pending_bytes
 
     def accepts(self, seq: int) -> bool:
-        """Whether input for ``seq`` fits the reorder window now (for backpressure in drivers)."""
+        """Whether input for ``seq`` fits the reorder window now (see ``ReorderBuffer.accepts``).
+
+        False both ahead of the window and for sequence numbers already released; drivers deciding whether
+        to wait should use :meth:`classify`.
+        """
         return self._reorder.accepts(seq)
+
+    def classify(self, seq: int) -> SeqClass:
+        """Where input (metadata or body) for ``seq`` stands now; cheap (constant time), changes nothing.
+
+        For backpressure in drivers that read the metadata and data streams separately: wait while the
+        result is positive, pass the input on otherwise.
+
+        * :attr:`SeqClass.AHEAD` (1): ``seq`` is ``window`` or more ahead of :attr:`next_seq` (and before the
+          end-of-stream count, if known): passing it on now raises :class:`~dissoc.errors.ResourceError`;
+          wait for events to be released, then ask again.
+        * :attr:`SeqClass.ACCEPT` (0): inside the window: pass it on now (it may still be refused for what
+          it is: a duplicate of something held, a body for a message without one, the byte limit).
+        * :attr:`SeqClass.RELEASED` (-2): already released: the input is a duplicate; pass it on and the
+          stream fails with :class:`~dissoc.errors.ProtocolError` at once (waiting would never help).
+        * :attr:`SeqClass.PAST_END` (-1): the end of stream has arrived and ``seq`` is at or after its count;
+          pass it on, the stream fails with :class:`~dissoc.errors.ProtocolError`.
+        * :attr:`SeqClass.FAILED` (-3): the stream has already failed; every input raises
+          :class:`~dissoc.errors.ProtocolError`.
+
+        ``seq`` is the sequence number of a metadata message (bytes 1-4) or of a body (the tag's low 32
+        bits). End-of-stream and error messages are never held back by the window and need no check.
+        """
+        if self._state is ClientState.FAILED:
+            return SeqClass.FAILED
+        return self._reorder.classify(seq)
 
     def missing(self) -> list[int]:
         """Some sequence numbers still lacking their metadata or body (see ``ReorderBuffer.missing``)."""
@@ -358,36 +413,31 @@ class ClientStream:
 
     def _on_metadata_stream(self, buf: BytesLike) -> list[ClientEvent]:
         msg = decode_stream_message(buf)
-        if self._reorder.ended:
-            kind = type(msg).__name__
-            raise ProtocolError(
-                f"metadata stream: expected nothing after end of stream "
-                f"(seq {fmt_seq(self._reorder.eos_seq or 0)}), got {kind} with seq {fmt_seq(msg.seq)}"
-            )
+        reorder = self._reorder
         if isinstance(msg, MetadataMessage):
             has_body = bool(self._has_body(msg.metadata))
-            if not self._got_metadata and has_body:
+            if has_body and msg.seq == self._start and reorder.released == 0:
                 raise ProtocolError(
-                    f"first message (seq {fmt_seq(msg.seq)}): expected a schema without body, got metadata "
-                    "for a message with a body"
+                    f"first message (seq {fmt_seq(msg.seq)}) must be a schema: expected a schema without "
+                    "body, got metadata for a message with a body"
                 )
-            events = self._convert(
-                self._reorder.add_metadata(msg.seq, msg.metadata, has_body, len(msg.metadata))
-            )
-            self._got_metadata = True
-            if self._state is ClientState.AWAITING_SCHEMA:
-                self._state = ClientState.STREAMING
+            events = self._convert(reorder.add_metadata(msg.seq, msg.metadata, has_body, len(msg.metadata)))
             return self._maybe_finish(events)
         if isinstance(msg, EndOfStream):
-            if not self._got_metadata:
+            if reorder.released == 0 and msg.seq == reorder.next_seq and not reorder.ended:
                 raise ProtocolError(
-                    f"end of stream (seq {fmt_seq(msg.seq)}): expected the schema first, "
-                    "got no metadata at all"
+                    f"end of stream (seq {fmt_seq(msg.seq)}): expected the schema first, got an end of "
+                    "stream counting no metadata messages at all"
                 )
-            events = self._convert(self._reorder.end(msg.seq))
-            self._state = ClientState.ENDED
+            events = self._convert(reorder.end(msg.seq))
             return self._maybe_finish(events)
         assert isinstance(msg, ErrorMessage)
+        if reorder.ended:
+            raise ProtocolError(
+                f"metadata stream: expected only metadata after end of stream "
+                f"(seq {fmt_seq(reorder.eos_seq or 0)}), got an error message with seq {fmt_seq(msg.seq)} "
+                f"({msg.code}: {msg.message})"
+            )
         _log.debug("client: error message seq=%s code=%r", fmt_seq(msg.seq), msg.code)
         raise RemoteError(msg.code, msg.message)
 
@@ -415,8 +465,14 @@ class ClientStream:
         return events
 
     def _maybe_finish(self, events: list[ClientEvent]) -> list[ClientEvent]:
-        if self._reorder.finished and self._state is not ClientState.FINISHED:
-            self._state = ClientState.FINISHED
-            events.append(StreamEnded(self._reorder.released))
-            _log.debug("client: stream finished after %d messages", self._reorder.released)
+        reorder = self._reorder
+        if reorder.finished:
+            if self._state is not ClientState.FINISHED:
+                self._state = ClientState.FINISHED
+                events.append(StreamEnded(reorder.released))
+                _log.debug("client: stream finished after %d messages", reorder.released)
+        elif reorder.ended:
+            self._state = ClientState.ENDED
+        elif self._schema_released:
+            self._state = ClientState.STREAMING
         return events
