@@ -63,6 +63,9 @@ class ClientOptions:
     ``max_in_flight_bytes``: received body bytes waiting for the consumer before reading pauses.
     ``max_buffered_bytes``: the transport's own read-ahead budget per connection.
     ``window``: how many sequence numbers metadata or bodies may run ahead of the next batch to release.
+    ``ordered_metadata``: the metadata transport delivers in order (default: true for ``tcp``), so a gap,
+    a duplicate or a wrong end-of-stream count is an error at once; otherwise metadata may arrive in any
+    order (the spec's sequence numbers allow it) and a gap is only reported when the timeout expires.
     """
 
     timeout: float = 30.0
@@ -70,6 +73,7 @@ class ClientOptions:
     max_buffered_bytes: int = 64 << 20
     window: int = 4096
     validate: bool = True
+    ordered_metadata: bool | None = None
 
 
 @dataclass(slots=True)
@@ -117,6 +121,9 @@ class _Session:
         self.conns: list[Connection] = []
         self.tasks: list[asyncio.Task[None]] = []
         self.stats = FetchStats()
+        ordered = options.ordered_metadata
+        self.ordered = meta_uri.scheme == "tcp" if ordered is None else ordered
+        self.expected_meta = 0
 
     async def _connect(self, uri: DissocURI) -> Connection:
         try:
@@ -160,9 +167,16 @@ class _Session:
             try:
                 ev = await asyncio.wait_for(ready.get(), self.options.timeout)
             except TimeoutError:
+                missing = [fmt_seq(m) for m in self.stream.missing()[:8]]
+                if self.stream.state.name == "ENDED" and not self.stream.metadata_complete:
+                    # The server said how many messages it sent, and metadata for some never came.
+                    raise ProtocolError(
+                        f"the stream ended, but after {self.options.timeout} s messages are still missing: "
+                        f"{missing}"
+                    ) from None
                 raise TransportError(
                     f"nothing arrived within {self.options.timeout} s (waiting for message "
-                    f"{fmt_seq(self.stream.next_seq)}; missing {self.stream.missing()[:8]})"
+                    f"{fmt_seq(self.stream.next_seq)}; missing {missing})"
                 ) from None
         else:
             ev = ready.get_nowait()
@@ -182,10 +196,8 @@ class _Session:
         A sequence number already released is passed on at once (the stream then reports the duplicate), and
         one far beyond anything a window could need is an error rather than a wait that only a timeout ends.
         """
-        while not self.stream.accepts(seq):
+        while self.stream.classify(seq) > 0:  # ahead of the window: wait for releases
             ahead = seq_diff(seq, self.stream.next_seq)
-            if ahead < 0:
-                return
             if ahead >= 4 * self.options.window:
                 raise ResourceError(
                     f"message {fmt_seq(seq)} is {ahead} sequence numbers ahead of the next one to release "
@@ -195,14 +207,32 @@ class _Session:
             await self.flow.wait()
 
     async def _read_metadata(self, conn: Connection) -> None:
+        stream = self.stream
         while True:
             buf = await conn.recv()
             kind = buf[0] if len(buf) else -1
-            if kind == 1 and len(buf) >= 5:
-                await self._wait_window(int.from_bytes(bytes(buf[1:5]), "little"))
-            self._publish(self.stream.receive_metadata_message(buf))
-            if kind == 0:  # end of stream: the server keeps the connection for the next request
+            if kind in (0, 1) and len(buf) >= 5:
+                seq = int.from_bytes(bytes(buf[1:5]), "little")
+                if self.ordered:
+                    self._check_order(kind, seq)
+                if kind == 1:
+                    await self._wait_window(seq)
+            self._publish(stream.receive_metadata_message(buf))
+            # Done once the end of stream and all metadata before it are in; the server keeps the
+            # connection open for the next request.
+            if stream.metadata_complete or stream.finished:
                 return
+
+    def _check_order(self, kind: int, seq: int) -> None:
+        """On an ordered transport every metadata message has the next number, and EOS carries the count."""
+        if seq != self.expected_meta:
+            what = "end of stream" if kind == 0 else "metadata message"
+            raise ProtocolError(
+                f"metadata stream: expected {what} {fmt_seq(self.expected_meta)}, got {fmt_seq(seq)} "
+                f"(the transport delivers in order, so this is a gap or a duplicate)"
+            )
+        if kind == 1:
+            self.expected_meta = (seq + 1) & 0xFFFFFFFF
 
     async def _read_bodies(self, conn: Connection) -> None:
         self.data_conn = conn

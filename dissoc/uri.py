@@ -39,7 +39,7 @@ class UriError(DissocError, ValueError):
     """A Dissociated IPC URI is malformed or names something unknown."""
 
 
-DEFAULT_SCHEMES: Final = frozenset({"tcp", "ucx"})
+DEFAULT_SCHEMES: Final = frozenset({"tcp", "ucx", "mem"})  # mem: the in-memory test transport
 """Schemes known without registration."""
 
 MEMORY_KINDS: Final = frozenset({"shm", "ucx", "cuda"})

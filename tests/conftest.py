@@ -1,6 +1,7 @@
 """Test groups that default to what is installed.
 
-Hypothesis runs derandomized when ``CI`` is set (profile ``ci``). Markers: ``ucx`` (needs ucxx), ``gpu`` (needs cupy and a CUDA device), ``spark`` (needs pyspark and Java),
+Hypothesis runs derandomized when ``CI`` is set (profile ``ci``). Markers: ``ucx`` (needs ucxx), ``gpu``
+(needs cupy and a CUDA device), ``spark`` (needs pyspark and Java),
 ``slow``. A marked test whose dependency is missing is skipped with a reason that names it; ``slow`` tests run
 by default (deselect with ``-m "not slow"``).
 """

@@ -27,6 +27,7 @@ from dissoc.protocol.state import (
     ClientStream,
     MessageReady,
     SchemaReceived,
+    SeqClass,
     ServerMessage,
     ServerState,
     ServerStream,
@@ -157,8 +158,10 @@ def test_client_basic_flow() -> None:
     assert isinstance(ev, MessageReady)
     assert (ev.seq, bytes(ev.metadata), ev.body_type, ev.body) == (2, b"N2", None, None)
     assert c.receive_metadata_message(meta(3, b"D3")) == []
+    assert not c.metadata_complete
     assert c.receive_metadata_message(encode_eos(4)) == []
     assert state_of(c) is ClientState.ENDED and not c.finished
+    assert c.metadata_complete  # only a body is outstanding: the metadata stream can be left
     assert c.missing() == [3]
     events = c.receive_body(make_body_tag(3, BODY_PAIRS), encode_pairs([(10, 8), (0, 0)]))
     assert len(events) == 2
@@ -243,10 +246,11 @@ def test_remote_error_before_schema() -> None:
 @pytest.mark.parametrize(
     ("first", "match"),
     [
-        (meta(0, b"B0"), "expected a schema without body"),
-        (meta(1, b"S"), "expected seq 0x00000000"),
+        (
+            meta(0, b"B0"),
+            r"first message \(seq 0x00000000\) must be a schema: expected a schema without body",
+        ),
         (encode_eos(0), "expected the schema first"),
-        (encode_eos(3), "expected the schema first"),
         (b"\x01\x00\x00", "at least 5 bytes"),
     ],
 )
@@ -257,17 +261,116 @@ def test_bad_first_message(first: bytes, match: str) -> None:
     assert c.failed
 
 
+def test_metadata_before_the_schema_is_held() -> None:
+    c = ClientStream(has_body)
+    assert c.receive_metadata_message(meta(2, b"N2")) == []
+    assert c.receive_metadata_message(meta(1, b"B1")) == []
+    assert c.receive_body(make_body_tag(1, BODY_PACKED), b"x") == []
+    assert state_of(c) is ClientState.AWAITING_SCHEMA
+    assert c.missing() == [0]
+    events = c.receive_metadata_message(meta(0, b"S"))
+    assert [type(e) for e in events] == [SchemaReceived, MessageReady, MessageReady]
+    assert [e.seq for e in events if not isinstance(e, StreamEnded)] == [0, 1, 2]
+    assert state_of(c) is ClientState.STREAMING
+    assert c.receive_metadata_message(encode_eos(3)) == [StreamEnded(3)]
+    assert c.finished
+
+
+def test_schema_with_a_body_is_refused_when_it_arrives() -> None:
+    c = ClientStream(has_body)
+    c.receive_metadata_message(meta(1, b"N1"))  # no body at another seq is fine
+    c.receive_metadata_message(meta(2, b"B2"))
+    with pytest.raises(ProtocolError, match=r"first message \(seq 0x00000000\) must be a schema"):
+        c.receive_metadata_message(meta(0, b"B0"))
+    assert c.failed
+
+
+def test_schema_rule_applies_at_start_seq() -> None:
+    c = ClientStream(has_body, start_seq=SEQ_MAX)
+    c.receive_metadata_message(meta(0, b"B0"))
+    with pytest.raises(ProtocolError, match=r"first message \(seq 0xffffffff\) must be a schema"):
+        c.receive_metadata_message(meta(SEQ_MAX, b"D"))
+
+
+def test_body_for_the_schema_is_refused() -> None:
+    c = ClientStream(has_body)
+    c.receive_body(make_body_tag(0, BODY_PACKED), b"x")
+    with pytest.raises(ProtocolError, match="got metadata saying it has none"):
+        c.receive_metadata_message(meta(0, b"S"))
+
+
+def test_end_of_stream_first() -> None:
+    c = ClientStream(has_body)
+    assert c.receive_metadata_message(encode_eos(3)) == []
+    assert state_of(c) is ClientState.ENDED
+    assert c.missing() == [0, 1, 2]
+    assert not c.metadata_complete
+    assert c.classify(3) is SeqClass.PAST_END
+    assert c.receive_metadata_message(meta(2, b"B2")) == []
+    assert c.receive_body(make_body_tag(2, BODY_PAIRS), encode_pairs([(1, 2)])) == []
+    [ev] = c.receive_metadata_message(meta(0, b"S"))
+    assert isinstance(ev, SchemaReceived)
+    assert state_of(c) is ClientState.ENDED
+    assert not c.metadata_complete
+    events = c.receive_metadata_message(meta(1, b"N1"))
+    assert c.metadata_complete
+    assert [e.seq for e in events if isinstance(e, MessageReady)] == [1, 2]
+    assert events[-1] == StreamEnded(3)
+    assert c.finished
+    c.close()
+
+
+def test_close_after_early_eos_names_missing_metadata() -> None:
+    c = ClientStream(has_body)
+    c.receive_metadata_message(meta(0, b"S"))
+    c.receive_metadata_message(encode_eos(3))
+    with pytest.raises(ProtocolError, match=r"missing metadata for seqs 0x00000001, 0x00000002$"):
+        c.close()
+    assert c.failed
+
+
 @pytest.mark.parametrize(
-    "late", [meta(2, b"N"), encode_eos(2), encode_eos(5), encode_error(2, "c", "m"), meta(1, b"N")]
+    ("late", "match"),
+    [
+        (meta(2, b"N"), r"seq 0x00000002: expected only seqs before the end of stream \(seq 0x00000002"),
+        (meta(7, b"N"), r"seq 0x00000007: expected only seqs before the end of stream"),
+        (encode_eos(2), "got a second"),
+        (encode_eos(5), "got a second"),
+        (encode_error(2, "c", "m"), r"expected only metadata after end of stream .*error message.*c: m"),
+        (meta(1, b"N"), r"0x00000001 was already released \(duplicate\?\)"),
+        (meta(0, b"B"), r"0x00000000 was already released"),
+    ],
 )
-def test_anything_after_eos_is_a_protocol_error(late: bytes) -> None:
+def test_anything_but_missing_metadata_after_eos_is_a_protocol_error(late: bytes, match: str) -> None:
     c = ClientStream(has_body)
     c.receive_metadata_message(meta(0, b"S"))
     c.receive_metadata_message(meta(1, b"N"))
     assert c.receive_metadata_message(encode_eos(2)) == [StreamEnded(2)]
-    with pytest.raises(ProtocolError, match="after end of stream"):
+    with pytest.raises(ProtocolError, match=match):
         c.receive_metadata_message(late)
     assert c.failed
+
+
+@pytest.mark.parametrize(
+    "late",
+    [meta(3, b"N"), encode_eos(3), encode_eos(2), encode_error(1, "c", "m"), meta(0, b"S"), meta(1, b"B")],
+)
+def test_errors_after_an_early_eos(late: bytes) -> None:
+    c = ClientStream(has_body)
+    c.receive_metadata_message(meta(1, b"B"))
+    c.receive_metadata_message(encode_eos(3))
+    if late == meta(0, b"S"):
+        c.receive_metadata_message(late)  # fine once
+    with pytest.raises(ProtocolError):
+        c.receive_metadata_message(late)
+    assert c.failed
+
+
+def test_eos_count_below_metadata_seen() -> None:
+    c = ClientStream(has_body)
+    c.receive_metadata_message(meta(4, b"N"))
+    with pytest.raises(ProtocolError, match="at least 0x00000005, got 0x00000003"):
+        c.receive_metadata_message(encode_eos(3))
 
 
 def test_body_after_finish_is_a_protocol_error() -> None:
@@ -320,8 +423,33 @@ def test_close_before_eos() -> None:
 def test_window_is_forwarded() -> None:
     c = ClientStream(has_body, window=2)
     assert c.accepts(1) and not c.accepts(2)
+    assert c.classify(1) is SeqClass.ACCEPT and c.classify(2) is SeqClass.AHEAD
     with pytest.raises(ResourceError):
         c.receive_body(make_body_tag(2, 0), b"")
+
+
+def test_classify() -> None:
+    c = ClientStream(has_body, window=4)
+    assert c.classify(SEQ_MAX) is SeqClass.RELEASED
+    c.receive_metadata_message(meta(0, b"S"))
+    assert [c.classify(s) for s in (0, 1, 4, 5)] == [
+        SeqClass.RELEASED,
+        SeqClass.ACCEPT,
+        SeqClass.ACCEPT,
+        SeqClass.AHEAD,
+    ]
+    c.receive_metadata_message(encode_eos(3))
+    assert [c.classify(s) for s in (0, 2, 3, 5)] == [
+        SeqClass.RELEASED,
+        SeqClass.ACCEPT,
+        SeqClass.PAST_END,
+        SeqClass.PAST_END,
+    ]
+    # a duplicate is classified as such, and passing it on fails the stream at once
+    with pytest.raises(ProtocolError, match="already released"):
+        c.receive_body(make_body_tag(0, BODY_PACKED), b"x")
+    assert c.classify(2) is SeqClass.FAILED
+    assert SeqClass.FAILED < 0
 
 
 # -- server joined to client through a reordering link -------------------------------------------------------
@@ -360,10 +488,8 @@ class ShufflingLink:
     def deliver(self, client: ClientStream, rnd: random.Random, shuffle: bool) -> list[ClientEvent]:
         meta_q = list(self.metadata)
         body_q = list(self.bodies)
-        if shuffle:  # schema first and EOS last on the metadata stream; everything else in any order
-            middle = meta_q[1:-1]
-            rnd.shuffle(middle)
-            meta_q = [meta_q[0], *middle, meta_q[-1]]
+        if shuffle:  # any order on both streams, the schema and the end of stream included
+            rnd.shuffle(meta_q)
             rnd.shuffle(body_q)
         events: list[ClientEvent] = []
         while meta_q or body_q:
@@ -402,6 +528,7 @@ def test_server_to_client_through_shuffling_link(
     events = link.deliver(client, rnd, shuffle)
 
     assert client.finished
+    assert client.metadata_complete
     assert isinstance(events[0], SchemaReceived)
     assert events[0].seq == start and bytes(events[0].metadata) == b"Schema"
     assert events[-1] == StreamEnded(len(batches) + 1)
