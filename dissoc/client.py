@@ -17,7 +17,8 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -288,6 +289,58 @@ class _Session:
                 await c.close()
 
 
+async def stream_chunks(
+    uri: str | DissocURI,
+    ticket: str | bytes,
+    *,
+    data_uri: str | DissocURI | None = None,
+    options: ClientOptions | None = None,
+    stats: FetchStats | None = None,
+    on_schema: Callable[[pa.Schema], None] | None = None,
+) -> AsyncGenerator[list[pa.RecordBatch], None]:
+    """Like :func:`stream_batches`, but yields every batch that is already complete at once, as a list.
+
+    Waits only when nothing is ready; consumers that pay a fixed cost per resumption (the synchronous
+    reader) use this to pay it once per burst instead of once per batch.
+    """
+    opts = options or ClientOptions()
+    meta = _as_uri(uri)
+    data = _as_uri(data_uri) if data_uri is not None else meta
+    session = _Session(meta, data, _ticket_bytes(ticket), opts)
+    try:
+        await session.start()
+        ended = False
+        while not ended:
+            chunk: list[pa.RecordBatch] = []
+            ev = await session.next_event()
+            while True:
+                if isinstance(ev, StreamEnded):
+                    ended = True
+                    break
+                batch = session.decode(ev)
+                if (
+                    isinstance(ev, SchemaReceived)
+                    and on_schema is not None
+                    and session.decoder.schema is not None
+                ):
+                    on_schema(session.decoder.schema)
+                if batch is not None:
+                    chunk.append(batch)
+                if session.ready.empty():
+                    break
+                ev = await session.next_event()
+            if chunk:
+                yield chunk
+    finally:
+        if stats is not None:
+            stats.batches, stats.rows, stats.bytes = (
+                session.stats.batches,
+                session.stats.rows,
+                session.stats.bytes,
+            )
+        await session.close()
+
+
 async def stream_batches(
     uri: str | DissocURI,
     ticket: str | bytes,
@@ -298,33 +351,11 @@ async def stream_batches(
     on_schema: Callable[[pa.Schema], None] | None = None,
 ) -> AsyncIterator[pa.RecordBatch]:
     """Yield the stream's batches in sequence order, each as soon as it is complete."""
-    opts = options or ClientOptions()
-    meta = _as_uri(uri)
-    data = _as_uri(data_uri) if data_uri is not None else meta
-    session = _Session(meta, data, _ticket_bytes(ticket), opts)
-    try:
-        await session.start()
-        while True:
-            ev = await session.next_event()
-            if isinstance(ev, StreamEnded):
-                return
-            batch = session.decode(ev)
-            if (
-                isinstance(ev, SchemaReceived)
-                and on_schema is not None
-                and session.decoder.schema is not None
-            ):
-                on_schema(session.decoder.schema)
-            if batch is not None:
+    chunks = stream_chunks(uri, ticket, data_uri=data_uri, options=options, stats=stats, on_schema=on_schema)
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            for batch in chunk:
                 yield batch
-    finally:
-        if stats is not None:
-            stats.batches, stats.rows, stats.bytes = (
-                session.stats.batches,
-                session.stats.rows,
-                session.stats.bytes,
-            )
-        await session.close()
 
 
 async def fetch_async(
@@ -382,7 +413,9 @@ def fetch(
 class StreamReader:
     """A synchronous reader over a dissoc stream, like ``pyarrow.RecordBatchReader``.
 
-    Runs the client's event loop in a background thread and hands batches over through a bounded queue.
+    The client's event loop runs in the caller's thread, entered once per burst of complete batches (see
+    :func:`stream_chunks`); while the caller works on batches the loop is idle and TCP holds the server
+    back. Called from a thread that already runs an event loop, the loop runs in a helper thread instead.
     """
 
     def __init__(
@@ -393,64 +426,50 @@ class StreamReader:
         data_uri: str | DissocURI | None = None,
         options: ClientOptions | None = None,
     ) -> None:
-        import queue
-
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=8)
-        self._schema_ready = threading.Event()
-        self._schema: pa.Schema | None = None
-        self._done = object()
-        self._stop = threading.Event()
         self.stats = FetchStats()
+        self._schema: pa.Schema | None = None
+        self._pending: deque[pa.RecordBatch] = deque()
+        self._done = False
+        self._chunks = stream_chunks(
+            uri, ticket, data_uri=data_uri, options=options, stats=self.stats, on_schema=self._set_schema
+        )
+        try:
+            asyncio.get_running_loop()
+            in_loop = True
+        except RuntimeError:
+            in_loop = False
+        self._runner = _ThreadRunner() if in_loop else asyncio.Runner()
 
-        def on_schema(s: pa.Schema) -> None:
-            self._schema = s
-            self._schema_ready.set()
+    def _set_schema(self, schema: pa.Schema) -> None:
+        self._schema = schema
 
-        async def pump() -> None:
-            async for b in stream_batches(
-                uri, ticket, data_uri=data_uri, options=options, stats=self.stats, on_schema=on_schema
-            ):
-                while True:
-                    if self._stop.is_set():
-                        return
-                    try:
-                        self._queue.put_nowait(b)
-                        break
-                    except queue.Full:
-                        await asyncio.sleep(0.001)
-
-        def target() -> None:
-            try:
-                asyncio.run(pump())
-                self._queue.put(self._done)
-            except BaseException as e:
-                self._queue.put(e)
-            finally:
-                self._schema_ready.set()
-
-        self._thread = threading.Thread(target=target, name="dissoc-reader", daemon=True)
-        self._thread.start()
+    def _pull(self) -> bool:
+        """Fetch the next burst of batches; False at the end of the stream."""
+        if self._done:
+            return False
+        try:
+            chunk = self._runner.run(self._chunks.__anext__())
+        except StopAsyncIteration:
+            self.close()
+            return False
+        except BaseException:
+            self.close()
+            raise
+        self._pending.extend(chunk)
+        return True
 
     @property
     def schema(self) -> pa.Schema:
-        self._schema_ready.wait()
-        if self._schema is None:
-            item = self._queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            raise ProtocolError("stream ended before its schema")
+        while self._schema is None:
+            if not self._pull():
+                raise ProtocolError("the stream ended before its schema arrived")
         return self._schema
 
     def read_next_batch(self) -> pa.RecordBatch:
-        item = self._queue.get()
-        if item is self._done:
-            self._queue.put(item)
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self._queue.put(item)
-            raise item
-        assert isinstance(item, pa.RecordBatch)
-        return item
+        while not self._pending:
+            if not self._pull():
+                raise StopIteration
+        return self._pending.popleft()
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
         while True:
@@ -461,16 +480,44 @@ class StreamReader:
 
     def read_all(self) -> pa.Table:
         batches = list(self)
-        return pa.Table.from_batches(batches, schema=self.schema)
+        return pa.Table.from_batches(batches, schema=self.schema if self._schema is None else self._schema)
 
     def close(self) -> None:
-        self._stop.set()
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._runner.run(self._chunks.aclose())
+        finally:
+            self._runner.close()
 
     def __enter__(self) -> StreamReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            with contextlib.suppress(Exception):
+                self.close()
+
+
+class _ThreadRunner:
+    """``asyncio.Runner``'s ``run``/``close`` on a loop in a helper thread (for callers inside a loop)."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="dissoc-reader", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
 
 def open_stream(
