@@ -44,6 +44,17 @@ class EncodedMessage:
         return b"".join(bytes(memoryview(b)) for b in self.body_buffers)
 
 
+def _nbytes(buf: Any) -> int:
+    """Size in bytes of a body buffer (a pyarrow buffer, numpy array, bytes or memoryview; None is empty)."""
+    if buf is None:
+        return 0
+    if isinstance(buf, pa.Buffer):
+        return int(buf.size)
+    if isinstance(buf, np.ndarray):
+        return int(buf.nbytes)
+    return memoryview(buf).nbytes
+
+
 def _bitmap(buf: pa.Buffer | None, offset: int, length: int) -> Any:
     """Bytes of a bitmap starting at bit ``offset`` (a copy only when the offset is not byte aligned)."""
     if buf is None or length == 0:
@@ -389,22 +400,17 @@ class MessageEncoder:
         self, kind: int, length: int, fl: _Flattener, dict_id: int = 0, delta: bool = False
     ) -> EncodedMessage:
         body: list[Any] = []
-        spans = np.zeros((len(fl.buffers), 2), np.int64)
+        spans: list[tuple[int, int]] = []
         pos = 0
         comp = self.compression
-        for i, buf in enumerate(fl.buffers):
-            if buf is None:
-                spans[i, 0] = pos
-                continue
-            mv = memoryview(buf) if not isinstance(buf, memoryview) else buf
-            if mv.ndim != 1 or mv.itemsize != 1:
-                mv = mv.cast("B")
-            n = len(mv)
+        for buf in fl.buffers:
+            n = _nbytes(buf)
             if n == 0:
-                spans[i, 0] = pos
+                spans.append((pos, 0))
                 continue
             if comp is not None:
-                packed = compress_buffer(comp, mv)
+                mv = memoryview(buf)
+                packed = compress_buffer(comp, mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B"))
                 if packed is None:
                     body.append(_MINUS_ONE)
                     body.append(buf)
@@ -414,17 +420,18 @@ class MessageEncoder:
                     n = len(packed)
             else:
                 body.append(buf)
-            spans[i] = (pos, n)
+            spans.append((pos, n))
             pos += n
             pad = (-n) % ALIGNMENT
             if pad:
                 body.append(_ZEROS[:pad])
                 pos += pad
+        span_array = np.array(spans, np.int64).reshape(-1, 2)
         nodes = np.array(fl.nodes, np.int64).reshape(-1, 2)
         if kind == HeaderType.RecordBatch:
-            meta = encode_record_batch(length, nodes, spans, pos, comp, fl.variadic or None)
+            meta = encode_record_batch(length, nodes, span_array, pos, comp, fl.variadic or None)
         else:
             meta = encode_dictionary_batch(
-                dict_id, delta, length, nodes, spans, pos, comp, fl.variadic or None
+                dict_id, delta, length, nodes, span_array, pos, comp, fl.variadic or None
             )
         return EncodedMessage(meta, body, pos, kind)
