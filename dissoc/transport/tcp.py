@@ -193,6 +193,10 @@ class TcpConnection(Connection):
     async def _send_frame(self, tagged: bool, tag: int, views: list[memoryview], total: int) -> None:
         pieces = [memoryview(_HEADER.pack(KIND_TAGGED if tagged else KIND_UNTAGGED, tag, total))]
         pieces.extend(views)
+        await self._send_pieces(pieces, total + HEADER_SIZE)
+
+    async def _send_pieces(self, pieces: list[memoryview], total: int) -> None:
+        """Write whole frames, taking the send turn first (frames of concurrent senders never mix)."""
         if self._sending or self._send_waiters:
             await self._acquire_send()
         else:
@@ -202,7 +206,7 @@ class TcpConnection(Connection):
                 raise self._closed_error("cannot send")
             if self._send_error is not None:
                 raise _fresh(self._send_error)
-            await self._send_all(pieces, total + HEADER_SIZE)
+            await self._send_all(pieces, total)
         finally:
             self._release_send()
 
@@ -219,18 +223,7 @@ class TcpConnection(Connection):
             )
             pieces.extend(views)
             total += size + HEADER_SIZE
-        if self._sending or self._send_waiters:
-            await self._acquire_send()
-        else:
-            self._sending = True
-        try:
-            if self._closed:
-                raise self._closed_error("cannot send")
-            if self._send_error is not None:
-                raise _fresh(self._send_error)
-            await self._send_all(pieces, total)
-        finally:
-            self._release_send()
+        await self._send_pieces(pieces, total)
 
     async def _acquire_send(self) -> None:
         """Wait for the turn to send (frames of concurrent senders must not interleave); FIFO."""
