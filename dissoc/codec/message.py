@@ -9,12 +9,10 @@ import enum
 import struct
 from dataclasses import dataclass
 
-import flatbuffers
 import numpy as np
 import numpy.typing as npt
 
 from dissoc.codec.fb import Table, root_table
-from dissoc.codec.schema import build_message
 from dissoc.errors import CodecError
 
 __all__ = [
@@ -174,43 +172,98 @@ def parse_record_batch(t: Table) -> RecordBatchHeader:
 # --------------------------------------------------------------------------------------------------- encode
 
 
-def _struct_vector(b: flatbuffers.Builder, data: bytes, count: int, elem_size: int) -> int:
-    """A vector of ``count`` structs of ``elem_size`` bytes (``data``), written in one piece."""
-    b.StartVector(elem_size, count, 8)
-    b.head = b.head - len(data)
-    b.Bytes[b.head : b.head + len(data)] = data
-    b.vectorNumElems = count
-    return int(b.EndVector())
+_I32 = struct.Struct("<i")
 
 
-def _record_batch_table(
-    b: flatbuffers.Builder,
+class _Layout:
+    """Writes one flatbuffer front to back; every offset points forward, vtables sit before their tables."""
+
+    __slots__ = ("buf", "pos")
+
+    def __init__(self, size: int) -> None:
+        self.buf = bytearray(size)
+        self.pos = 0
+
+    def align(self, alignment: int, remainder: int = 0) -> None:
+        self.pos += (remainder - self.pos) % alignment
+
+    def vtable(self, table_size: int, fields: list[int]) -> int:
+        """A vtable with the given field offsets (0 = absent); returns its position."""
+        self.align(2)
+        at = self.pos
+        struct.pack_into(f"<HH{len(fields)}H", self.buf, at, 4 + 2 * len(fields), table_size, *fields)
+        self.pos += 4 + 2 * len(fields)
+        return at
+
+    def table(self, vtable: int, size: int) -> int:
+        """Start a table of ``size`` bytes (8-byte aligned) using ``vtable``; returns its position."""
+        self.align(8)
+        at = self.pos
+        _I32.pack_into(self.buf, at, at - vtable)
+        self.pos += size
+        return at
+
+    def link(self, field: int, target: int) -> None:
+        """Store at ``field`` the forward offset to ``target``."""
+        _U32.pack_into(self.buf, field, target - field)
+
+    def vector(self, data: bytes, count: int) -> int:
+        """A vector of 8-byte-aligned elements: count at 4 mod 8, then the elements; returns its position."""
+        self.align(8, 4)
+        at = self.pos
+        _U32.pack_into(self.buf, at, count)
+        self.buf[at + 4 : at + 4 + len(data)] = data
+        self.pos += 4 + len(data)
+        return at
+
+
+def _message_bytes(
+    header_type: int,
+    body_length: int,
     length: int,
     nodes: npt.NDArray[np.int64],
     buffers: npt.NDArray[np.int64],
     compression: int | None,
     variadic_counts: list[int] | None,
-) -> int:
-    variadic_off = None
-    if variadic_counts:
-        variadic_off = b.CreateNumpyVector(np.asarray(variadic_counts, "<i8"))
-    buf_off = _struct_vector(b, np.ascontiguousarray(buffers, "<i8").tobytes(), len(buffers), 16)
-    node_off = _struct_vector(b, np.ascontiguousarray(nodes, "<i8").tobytes(), len(nodes), 16)
-    comp_off = None
+    dictionary: tuple[int, bool] | None = None,
+) -> bytes:
+    """A Message around a RecordBatch (or a DictionaryBatch holding one), laid out directly."""
+    node_bytes = np.ascontiguousarray(nodes, "<i8").tobytes()
+    buffer_bytes = np.ascontiguousarray(buffers, "<i8").tobytes()
+    variadic = np.asarray(variadic_counts or [], "<i8").tobytes()
+    out = _Layout(256 + len(node_bytes) + len(buffer_bytes) + len(variadic))
+    out.pos = 4  # the root offset
+    # Message: header (uoffset) at 4, bodyLength at 8, version at 16, header_type at 18.
+    message = out.table(out.vtable(20, [16, 18, 4, 8]), 20)
+    out.link(0, message)
+    _I64.pack_into(out.buf, message + 8, body_length)
+    struct.pack_into("<hB", out.buf, message + 16, METADATA_V5, header_type)
+    if dictionary is not None:
+        # DictionaryBatch: data (uoffset) at 4, id at 8, isDelta at 16.
+        dict_id, is_delta = dictionary
+        header = out.table(out.vtable(24, [8, 4, 16]), 24)
+        out.link(message + 4, header)
+        _I64.pack_into(out.buf, header + 8, dict_id)
+        out.buf[header + 16] = 1 if is_delta else 0
+        parent_field = header + 4
+    else:
+        parent_field = message + 4
+    # RecordBatch: nodes at 4, length at 8, buffers at 16, compression at 20, variadicBufferCounts at 24.
+    fields = [8, 4, 16, 20 if compression is not None else 0, 24 if variadic_counts else 0]
+    batch = out.table(out.vtable(32, fields), 32)
+    out.link(parent_field, batch)
+    _I64.pack_into(out.buf, batch + 8, length)
     if compression is not None:
-        b.StartObject(2)
-        b.PrependInt8Slot(0, compression, -1)
-        b.PrependInt8Slot(1, 0, -1)
-        comp_off = b.EndObject()
-    b.StartObject(5)
-    b.PrependInt64Slot(0, length, -1)
-    b.PrependUOffsetTRelativeSlot(1, node_off, 0)
-    b.PrependUOffsetTRelativeSlot(2, buf_off, 0)
-    if comp_off is not None:
-        b.PrependUOffsetTRelativeSlot(3, comp_off, 0)
-    if variadic_off is not None:
-        b.PrependUOffsetTRelativeSlot(4, variadic_off, 0)
-    return int(b.EndObject())
+        comp = out.table(out.vtable(8, [4, 5]), 8)
+        out.buf[comp + 4] = compression
+        out.buf[comp + 5] = 0  # method BUFFER
+        out.link(batch + 20, comp)
+    out.link(batch + 4, out.vector(node_bytes, len(nodes)))
+    out.link(batch + 16, out.vector(buffer_bytes, len(buffers)))
+    if variadic_counts:
+        out.link(batch + 24, out.vector(variadic, len(variadic_counts)))
+    out.align(8)
+    return bytes(out.buf[: out.pos])
 
 
 def encode_record_batch(
@@ -222,9 +275,9 @@ def encode_record_batch(
     variadic_counts: list[int] | None = None,
 ) -> bytes:
     """A complete Message flatbuffer holding a RecordBatch header."""
-    b = flatbuffers.Builder(64 + 32 * (len(nodes) + len(buffers)))
-    rb = _record_batch_table(b, length, nodes, buffers, compression, variadic_counts)
-    return build_message(b, HeaderType.RecordBatch, rb, body_length)
+    return _message_bytes(
+        HeaderType.RecordBatch, body_length, length, nodes, buffers, compression, variadic_counts
+    )
 
 
 def encode_dictionary_batch(
@@ -238,12 +291,13 @@ def encode_dictionary_batch(
     variadic_counts: list[int] | None = None,
 ) -> bytes:
     """A complete Message flatbuffer holding a DictionaryBatch header."""
-    b = flatbuffers.Builder(64 + 32 * (len(nodes) + len(buffers)))
-    rb = _record_batch_table(b, length, nodes, buffers, compression, variadic_counts)
-    b.StartObject(3)
-    b.PrependInt64Slot(0, dict_id, -1)
-    b.PrependUOffsetTRelativeSlot(1, rb, 0)
-    if is_delta:
-        b.PrependBoolSlot(2, True, False)
-    db = b.EndObject()
-    return build_message(b, HeaderType.DictionaryBatch, db, body_length)
+    return _message_bytes(
+        HeaderType.DictionaryBatch,
+        body_length,
+        length,
+        nodes,
+        buffers,
+        compression,
+        variadic_counts,
+        (dict_id, is_delta),
+    )
