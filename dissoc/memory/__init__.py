@@ -1,0 +1,14 @@
+"""Where pair-list addresses point.
+
+* :mod:`~dissoc.memory.shm` -- host POSIX shared memory: :class:`ShmArena` (the server's arena, with a
+  first-fit allocator and backpressure) and :class:`ShmView` (a client's read-only mapping), plus
+  :func:`cleanup_stale` for segments left behind by crashed servers.
+
+UCX-registered and CUDA arenas live in their own modules and import their optional dependencies lazily.
+"""
+
+from __future__ import annotations
+
+from dissoc.memory.shm import ALIGNMENT, NAME_PREFIX, SHM_DIR, ShmArena, ShmView, cleanup_stale
+
+__all__ = ["ALIGNMENT", "NAME_PREFIX", "SHM_DIR", "ShmArena", "ShmView", "cleanup_stale"]

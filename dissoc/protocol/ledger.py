@@ -1,0 +1,212 @@
+"""The free_data ledger: which listed ranges each client still holds (sans-IO).
+
+When a server sends a body as a pair list (body type 1), every non-empty (offset, length) range it listed
+must stay alive until that client frees it with a free_data message, or disconnects (spec: "Any
+shared/remote memory addresses that are sent across MUST be kept alive by the server until a corresponding
+tagged <free_data> message is received"). The :class:`Ledger` is that bookkeeping, and nothing else: it owns
+no memory and does no I/O. The driver calls
+
+* :meth:`Ledger.record` after listing ranges to a client,
+* :meth:`Ledger.free` when a free_data message arrives (then releases the freed offsets in its arena),
+* :meth:`Ledger.drop` when a client disconnects (then releases everything returned),
+* :meth:`Ledger.would_fit` before placing a batch, to keep the bytes outstanding under ``capacity_bytes``.
+
+Ranges are keyed by their offset/address, which is unique among live ranges (the arena hands out each
+offset once until it is released). Zero-length ranges (the ``(0, 0)`` pairs of empty buffers) are never
+recorded, so a client must not list them in free_data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from dissoc.errors import ProtocolError
+
+__all__ = ["Ledger"]
+
+_U64_MAX: Final = 0xFFFFFFFFFFFFFFFF
+
+
+def _as_u64(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 0 <= int(value) <= _U64_MAX:
+        raise ValueError(f"{what}: expected an unsigned 64-bit integer, got {value!r}")
+    return int(value)
+
+
+class Ledger:
+    """Per-client live ranges awaiting free_data.
+
+    ``client`` keys are opaque and hashable (a connection object, an id...). ``capacity_bytes`` bounds the
+    total bytes outstanding across all clients as far as :meth:`would_fit` is concerned; :meth:`record`
+    itself does not refuse ranges (the memory is already placed by then), so the driver asks
+    :meth:`would_fit` (or waits on its arena) *before* placing a batch.
+
+    Every method is atomic: one that raises changes nothing.
+    """
+
+    __slots__ = ("_by_client", "_bytes_of", "_capacity", "_live_bytes", "_owner")
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes: expected a non-negative int, got {capacity_bytes!r}")
+        self._capacity = capacity_bytes
+        self._by_client: dict[Hashable, dict[int, int]] = {}  # client -> {offset: length}
+        self._bytes_of: dict[Hashable, int] = {}  # client -> live bytes
+        self._owner: dict[int, Hashable] = {}  # offset -> client
+        self._live_bytes = 0
+
+    # -- queries --------------------------------------------------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The bound :meth:`would_fit` checks against."""
+        return self._capacity
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes listed to any client and not yet freed or dropped."""
+        return self._live_bytes
+
+    @property
+    def live_ranges(self) -> int:
+        """Number of live ranges across all clients."""
+        return len(self._owner)
+
+    def live_bytes_of(self, client: Hashable) -> int:
+        """Bytes ``client`` still holds (0 for a client the ledger does not know)."""
+        return self._bytes_of.get(client, 0)
+
+    def ranges_of(self, client: Hashable) -> list[tuple[int, int]]:
+        """The (offset, length) ranges ``client`` still holds, sorted by offset."""
+        return sorted(self._by_client.get(client, {}).items())
+
+    def clients(self) -> list[Hashable]:
+        """Clients that hold at least one live range."""
+        return list(self._by_client)
+
+    def owner_of(self, offset: int) -> Hashable | None:
+        """The client holding the live range at ``offset``, or ``None``."""
+        return self._owner.get(offset)
+
+    def would_fit(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more could be listed without exceeding ``capacity_bytes``."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes: expected a non-negative int, got {nbytes!r}")
+        return self._live_bytes + nbytes <= self._capacity
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def __repr__(self) -> str:
+        return (
+            f"Ledger(capacity_bytes={self._capacity}, live_bytes={self._live_bytes}, "
+            f"ranges={len(self._owner)}, clients={len(self._by_client)})"
+        )
+
+    # -- updates --------------------------------------------------------------------------------------------
+
+    def record(
+        self, client: Hashable, pairs: Iterable[tuple[int, int]] | npt.NDArray[np.integer[Any]]
+    ) -> int:
+        """Record the ranges just listed to ``client``; returns the bytes recorded.
+
+        ``pairs`` is a sequence of (offset, length) or an ``(n, 2)`` integer array (``PairList.pairs``).
+        Zero-length entries (the ``(0, 0)`` pairs of empty buffers) are ignored. Raises :class:`ValueError`
+        (a bug in the server, not bad input from the wire) if a value is not a u64, or an offset is already
+        live (for this or another client) or repeated in ``pairs``; then nothing is recorded.
+        """
+        new: dict[int, int] = {}
+        rows: Iterable[Any] = pairs.tolist() if isinstance(pairs, np.ndarray) else pairs
+        for item in rows:
+            if len(item) != 2:
+                raise ValueError(f"ledger: expected (offset, length) pairs, got {item!r}")
+            offset = _as_u64(item[0], "ledger offset")
+            length = _as_u64(item[1], "ledger length")
+            if length == 0:
+                continue
+            if offset in new or offset in self._owner:
+                raise ValueError(
+                    f"ledger: expected each live offset once, got offset {offset:#x} again "
+                    f"(already listed to {self._owner.get(offset, client)!r})"
+                )
+            new[offset] = length
+        if not new:
+            return 0
+        added = sum(new.values())
+        self._by_client.setdefault(client, {}).update(new)
+        self._owner.update(dict.fromkeys(new, client))
+        self._bytes_of[client] = self._bytes_of.get(client, 0) + added
+        self._live_bytes += added
+        return added
+
+    def free_ranges(
+        self, client: Hashable, addresses: Sequence[int] | Iterable[int]
+    ) -> list[tuple[int, int]]:
+        """Free ``addresses`` for ``client`` (one free_data message); returns the ranges released.
+
+        All-or-nothing: if any address is not a live range of ``client`` -- unknown, already freed, repeated
+        in the message, or listed to another client -- raises :class:`~dissoc.errors.ProtocolError` naming
+        it and frees nothing of this message. The caller then answers that client only; other clients'
+        ranges are never touched.
+        """
+        mine = self._by_client.get(client, {})
+        seen: set[int] = set()
+        released: list[tuple[int, int]] = []
+        for raw in addresses:
+            if isinstance(raw, bool) or not isinstance(raw, int | np.integer):
+                raise ProtocolError(f"free_data: expected u64 addresses, got {raw!r}")
+            address = int(raw)
+            if address in seen:
+                raise ProtocolError(
+                    f"free_data: expected each address once per message, got {address:#x} twice"
+                )
+            seen.add(address)
+            length = mine.get(address)
+            if length is None:
+                if address in self._owner:
+                    raise ProtocolError(
+                        f"free_data: expected an address listed to this client, got {address:#x}, "
+                        "which was listed to another client"
+                    )
+                raise ProtocolError(
+                    f"free_data: expected an address listed to this client and not yet freed, "
+                    f"got unknown address {address:#x}"
+                )
+            released.append((address, length))
+        if not released:
+            return released
+        freed = 0
+        for address, length in released:
+            del mine[address]
+            del self._owner[address]
+            freed += length
+        self._settle(client, freed)
+        return released
+
+    def free(self, client: Hashable, addresses: Sequence[int] | Iterable[int]) -> int:
+        """Like :meth:`free_ranges`, returning the number of bytes released."""
+        return sum(length for _, length in self.free_ranges(client, addresses))
+
+    def drop(self, client: Hashable) -> list[tuple[int, int]]:
+        """Forget ``client`` (it disconnected); returns its live ranges, sorted, for the caller to free."""
+        mine = self._by_client.pop(client, None)
+        if not mine:
+            self._bytes_of.pop(client, None)
+            return []
+        for address in mine:
+            del self._owner[address]
+        self._live_bytes -= self._bytes_of.pop(client)
+        return sorted(mine.items())
+
+    def _settle(self, client: Hashable, freed: int) -> None:
+        self._live_bytes -= freed
+        left = self._bytes_of[client] - freed
+        if self._by_client[client]:
+            self._bytes_of[client] = left
+        else:  # keep the maps small: a client with nothing live is forgotten
+            del self._by_client[client]
+            del self._bytes_of[client]
