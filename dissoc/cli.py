@@ -66,11 +66,6 @@ async def _serve(args: argparse.Namespace) -> int:
     from dissoc.datasets import dataset_from
     from dissoc.server import Server
 
-    if args.body == "pairs" or args.memory is not None:
-        raise DissocError(
-            "--body pairs / --memory are not available in this version: bodies are sent packed "
-            f"(asked: --body {args.body}, --memory {args.memory})"
-        )
     datasets = {}
     for path in args.paths:
         ds = dataset_from(path)
@@ -85,6 +80,8 @@ async def _serve(args: argparse.Namespace) -> int:
         split=args.split,
         data_port=args.data_port,
         compression=args.compression,
+        body=args.body,
+        memory=args.memory,
     )
     async with server:
         # Handlers first: a script may signal the moment it reads the ready lines.

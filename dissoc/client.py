@@ -26,14 +26,18 @@ import pyarrow as pa
 
 from dissoc.codec import MessageDecoder
 from dissoc.errors import DissocError, ProtocolError, RemoteError, ResourceError, TransportError
+from dissoc.memory.shm import ShmView
 from dissoc.protocol import (
     BODY_ERROR,
     BODY_PACKED,
+    BODY_PAIRS,
     ClientStream,
     MessageReady,
+    PairList,
     SchemaReceived,
     StreamEnded,
     decode_stream_message,
+    encode_free,
     fmt_seq,
     seq_diff,
 )
@@ -125,6 +129,15 @@ class _Session:
         ordered = options.ordered_metadata
         self.ordered = meta_uri.scheme == "tcp" if ordered is None else ordered
         self.expected_meta = 0
+        self.shm: ShmView | None = None
+        self.to_free: list[int] = []
+        if data_uri.memory is not None:
+            if data_uri.memory != "shm" or data_uri.remote_handle is None or data_uri.free_data is None:
+                raise ProtocolError(
+                    f"data URI: memory={data_uri.memory!r} needs memory=shm with remote_handle and free_data "
+                    f"(only shared memory on this host is supported), got {data_uri}"
+                )
+            self.shm = ShmView.attach(data_uri.remote_handle)
 
     async def _connect(self, uri: DissocURI) -> Connection:
         try:
@@ -258,11 +271,10 @@ class _Session:
     def decode(self, ev: MessageReady | SchemaReceived) -> pa.RecordBatch | None:
         if isinstance(ev, SchemaReceived):
             return self.decoder.decode(ev.metadata)
+        if ev.body_type == BODY_PAIRS:
+            return self._decode_pairs(ev)
         if ev.body_type != BODY_PACKED:
-            raise ProtocolError(
-                f"message {fmt_seq(ev.seq)}: body type {ev.body_type} (address/length pairs) needs a memory "
-                "kind this client was not given"
-            )
+            raise ProtocolError(f"message {fmt_seq(ev.seq)}: unknown body type {ev.body_type}")
         body = ev.body
         n = memoryview(body).nbytes if body is not None else 0  # type: ignore[arg-type]
         self.in_flight -= n
@@ -278,15 +290,46 @@ class _Session:
             self.stats.bytes += n
         return batch
 
+    def _decode_pairs(self, ev: MessageReady) -> pa.RecordBatch | None:
+        """Body type 1: copy the listed ranges out of the server's shared memory, then free them."""
+        if self.shm is None:
+            raise ProtocolError(
+                f"message {fmt_seq(ev.seq)}: address/length pairs, but the data URI names no shared memory"
+            )
+        pairs = ev.body
+        assert isinstance(pairs, PairList)
+        views = self.shm.buffers(pairs)
+        # Copy mode: the batch owns private memory, so the ranges can be freed at once (a zero-copy batch
+        # would have to hold them until its last user lets go).
+        copies = [None if v.size == 0 else pa.py_buffer(bytes(memoryview(v))) for v in views]
+        addresses = [int(a) for a, n in pairs.pairs.tolist() if n]
+        self.to_free.extend(addresses)
+        batch = self.decoder.decode_scattered(ev.metadata, copies)
+        if batch is not None:
+            self.stats.batches += 1
+            self.stats.rows += batch.num_rows
+            self.stats.bytes += int(pairs.total)
+        return batch
+
+    async def flush_frees(self) -> None:
+        """Send the addresses freed so far as one free_data message."""
+        if self.to_free and self.data_conn is not None and self.data_uri.free_data is not None:
+            addresses, self.to_free = self.to_free, []
+            await self.data_conn.send_tagged(self.data_uri.free_data, encode_free(addresses))
+
     async def close(self) -> None:
         for t in self.tasks:
             t.cancel()
         for t in self.tasks:
             with contextlib.suppress(BaseException):  # cancelled, or already reported to the consumer
                 await t
+        with contextlib.suppress(DissocError):
+            await self.flush_frees()
         for c in self.conns:
             with contextlib.suppress(DissocError):
                 await c.close()
+        if self.shm is not None:
+            self.shm.close()
 
 
 async def stream_chunks(
@@ -329,6 +372,7 @@ async def stream_chunks(
                 if session.ready.empty():
                     break
                 ev = await session.next_event()
+            await session.flush_frees()
             if chunk:
                 yield chunk
     finally:

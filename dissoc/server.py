@@ -14,7 +14,10 @@ from typing import Any, Self
 
 from dissoc.data_server import DataServer
 from dissoc.datasets import Catalog, Dataset
+from dissoc.errors import DissocError
+from dissoc.memory.shm import ShmArena, cleanup_stale
 from dissoc.metadata_server import CombinedServer, MetadataServer
+from dissoc.protocol.ledger import Ledger
 from dissoc.serving import RoleServer, ServeOptions
 from dissoc.uri import DissocURI
 
@@ -47,12 +50,33 @@ class Server:
         want_data: int = DEFAULT_WANT_DATA,
         free_data: int | None = None,
         compression: str | None = None,
+        body: str = "packed",
+        memory: str | None = None,
+        arena_bytes: int = 1 << 30,
         **transport_options: Any,
     ) -> None:
         self.catalog = Catalog()
         for name, obj in (datasets or {}).items():
             self.catalog.add(name, obj)
-        options = ServeOptions(want_data=want_data, free_data=free_data, compression=compression)
+        self.arena: ShmArena | None = None
+        ledger = None
+        if body not in ("packed", "pairs"):
+            raise DissocError(f"body must be 'packed' or 'pairs', got {body!r}")
+        if body == "pairs":
+            memory = memory or "shm"
+            if memory != "shm":
+                raise DissocError(f"pairs over memory {memory!r} are not available yet (only 'shm')")
+            if compression is not None:
+                raise DissocError("compression applies to packed bodies; pairs point at uncompressed buffers")
+            cleanup_stale()
+            self.arena = ShmArena.create(arena_bytes)
+            ledger = Ledger(arena_bytes)
+            free_data = DEFAULT_FREE_DATA if free_data is None else free_data
+        elif memory is not None:
+            raise DissocError(f"memory={memory!r} needs body='pairs'")
+        options = ServeOptions(
+            want_data=want_data, free_data=free_data, compression=compression, arena=self.arena, ledger=ledger
+        )
         self.split = split
         self._servers: list[RoleServer]
         if split:
@@ -106,6 +130,8 @@ class Server:
     async def close(self) -> None:
         for s in self._servers:
             await s.close()
+        if self.arena is not None:
+            self.arena.close()  # unlinks the segment
         self._closed.set()
 
     async def __aenter__(self) -> Self:

@@ -8,6 +8,7 @@ ticket independently number the same messages the same way: that is what lets th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 from collections.abc import AsyncIterator, Iterator
@@ -16,10 +17,21 @@ from typing import Any
 
 import pyarrow as pa
 
-from dissoc.codec import MessageEncoder, iter_messages
+from dissoc.codec import MessageEncoder, iter_messages, parse
 from dissoc.datasets import Catalog, Dataset, IpcFileDataset, IpcStreamDataset, TableDataset
 from dissoc.errors import DissocError, TransportError
-from dissoc.protocol import ERROR_TAG, ServerStream, encode_error, fmt_seq, fmt_tag
+from dissoc.protocol import (
+    BODY_PAIRS,
+    ERROR_TAG,
+    ServerStream,
+    decode_free,
+    encode_error,
+    encode_pairs,
+    fmt_seq,
+    fmt_tag,
+    make_body_tag,
+)
+from dissoc.protocol.ledger import Ledger
 from dissoc.transport import Connection, Listener, serve
 from dissoc.uri import DissocURI
 
@@ -38,11 +50,18 @@ class Role(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
-    """Per-server settings shared by its connections."""
+    """Per-server settings shared by its connections.
+
+    With an ``arena`` (and its ``ledger``), bodies are sent as address/length pairs (body type 1): each
+    batch's buffers are copied into the arena and stay there until the client frees them with free_data
+    or disconnects.
+    """
 
     want_data: int
     free_data: int | None = None
     compression: str | None = None
+    arena: Any = None
+    ledger: Ledger | None = None
 
 
 async def _batches(dataset: Dataset) -> AsyncIterator[pa.RecordBatch]:
@@ -125,7 +144,16 @@ async def stream_dataset(conn: Connection, role: Role, dataset: Dataset, options
             if meta:
                 pending.append((None, [sent.header, metadata]))
                 pending_bytes += len(metadata) + 5
-            if data and sent.tag is not None:
+            if data and sent.tag is not None and options.arena is not None:
+                # Body type 1: the buffers go into shared memory, the client gets where they are.
+                if pending:
+                    await conn.send_many(pending)
+                    pending, pending_bytes = [], 0
+                pairs = await options.arena.place_wait(_split_body(metadata, body))
+                assert options.ledger is not None
+                options.ledger.record(conn, pairs)
+                await conn.send_tagged(make_body_tag(sent.seq, BODY_PAIRS), encode_pairs(pairs))
+            elif data and sent.tag is not None:
                 pending.append((sent.tag, body))
                 pending_bytes += sum(memoryview(b).nbytes for b in body)
             if not coalesce or pending_bytes >= _COALESCE_BYTES or len(pending) >= _COALESCE_MESSAGES:
@@ -167,8 +195,62 @@ def _error(stream: ServerStream, code: str, message: str) -> bytes:
         return encode_error(stream.next_seq, code, message)
 
 
+def _split_body(metadata: Any, body: list[Any]) -> list[Any]:
+    """One buffer per entry of the metadata's ``buffers`` (empty ones as ``b""``), from a packed body given
+    as one buffer (stored data) or as the encoder's pieces (buffers and padding)."""
+    spans = parse(metadata).batch
+    assert spans is not None
+    entries = spans.buffers.tolist()
+    if len(body) == 1 and isinstance(body[0], pa.Buffer):
+        whole = body[0]
+        return [whole.slice(o, n) if n else b"" for o, n in entries]
+    at: dict[int, Any] = {}
+    pos = 0
+    for piece in body:
+        size = memoryview(piece).nbytes
+        at.setdefault(pos, piece)
+        pos += size
+    return [at[o] if n else b"" for o, n in entries]
+
+
+async def _serve_free_data(conn: Connection, role: Role, options: ServeOptions) -> None:
+    """Apply the client's free_data messages; a bad one is reported to this client and ends its connection."""
+    assert options.free_data is not None and options.ledger is not None
+    while True:
+        try:
+            msg = await conn.recv_tagged(options.free_data)
+        except TransportError:
+            return
+        try:
+            freed = options.ledger.free_ranges(conn, decode_free(msg.view()))
+        except DissocError as e:
+            log.warning("free_data from %s rejected: %s", conn.description, e)
+            await _send_error(conn, role, encode_error(0, "bad_free_data", str(e)))
+            await conn.close()
+            return
+        options.arena.release_many(offset for offset, _ in freed)
+
+
 async def serve_connection(conn: Connection, role: Role, catalog: Catalog, options: ServeOptions) -> None:
     """A connection's life: wait for want_data, answer with the stream, wait again, until the peer leaves."""
+    frees = None
+    if options.arena is not None and role is not Role.METADATA:
+        frees = asyncio.get_running_loop().create_task(_serve_free_data(conn, role, options))
+    try:
+        await _serve_requests(conn, role, catalog, options)
+    finally:
+        if frees is not None:
+            frees.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await frees
+            assert options.ledger is not None
+            # The client is gone: everything still listed to it can be reused.
+            ranges = options.ledger.drop(conn)
+            if ranges:
+                options.arena.release_many(offset for offset, _ in ranges)
+
+
+async def _serve_requests(conn: Connection, role: Role, catalog: Catalog, options: ServeOptions) -> None:
     while True:
         try:
             request = await conn.recv_tagged(options.want_data)
@@ -226,13 +308,16 @@ class RoleServer:
         return self._listener.port if self._listener is not None else self._port
 
     def uri(self, **params: str) -> DissocURI:
-        """The URI clients use to reach this server."""
+        """The URI clients use to reach this server (with where pairs point, for a data server using them)."""
+        arena = self.options.arena if self.role is not Role.METADATA else None
         return DissocURI(
             self.transport,
             self.host,
             self.port,
             self.options.want_data,
-            self.options.free_data,
+            self.options.free_data if arena is not None else None,
+            remote_handle=arena.handle if arena is not None else None,
+            memory="shm" if arena is not None else None,
             params=params,
         )
 

@@ -37,7 +37,7 @@ from dissoc.codec.schema import (
 )
 from dissoc.errors import CodecError
 
-__all__ = ["MessageDecoder", "ParsedMessage", "parse"]
+__all__ = ["MessageDecoder", "ParsedMessage", "ScatteredBody", "parse"]
 
 log = logging.getLogger(__name__)
 
@@ -292,6 +292,19 @@ def _storage_type(ty: pa.DataType) -> pa.DataType:
     return factory(inner[0])
 
 
+class ScatteredBody:
+    """A message body given as one buffer per entry of the metadata's ``buffers`` (None or empty for an
+    empty one), wherever each lies: what address/length pair lists describe."""
+
+    __slots__ = ("buffers",)
+
+    def __init__(self, buffers: list[pa.Buffer | None]) -> None:
+        self.buffers = buffers
+
+
+_EMPTY_BODY = pa.py_buffer(b"")
+
+
 class MessageDecoder:
     """Decode a stream of Message metadata (+ bodies) into ``pa.RecordBatch`` objects.
 
@@ -372,8 +385,8 @@ class MessageDecoder:
             raise CodecError(
                 f"a {HeaderType(info.header_type).name} message arrived before the Schema message"
             )
-        buf = _as_buffer(body)
-        if buf.size < info.body_length:
+        buf: Any = body if isinstance(body, ScatteredBody) else _as_buffer(body)
+        if not isinstance(buf, ScatteredBody) and buf.size < info.body_length:
             raise CodecError(f"message body: expected {info.body_length} bytes, got {buf.size}")
         assert msg.batch is not None
         if info.header_type == HeaderType.DictionaryBatch:
@@ -394,7 +407,7 @@ class MessageDecoder:
     # ------------------------------------------------------------------------------------------ dictionaries
 
     def _decode_dictionary(
-        self, dict_id: int, is_delta: bool, header: RecordBatchHeader, body: pa.Buffer, body_length: int
+        self, dict_id: int, is_delta: bool, header: RecordBatchHeader, body: Any, body_length: int
     ) -> None:
         assert self._info is not None
         dinfo = self._info.dictionaries.get(dict_id)
@@ -427,9 +440,11 @@ class MessageDecoder:
     # ------------------------------------------------------------------------------------------ batches
 
     def _decode_batch(
-        self, c: _Compiled, h: RecordBatchHeader, body: pa.Buffer, body_length: int, key: bytes | None = None
+        self, c: _Compiled, h: RecordBatchHeader, body: Any, body_length: int, key: bytes | None = None
     ) -> pa.RecordBatch:
         assert self._info is not None
+        if isinstance(body, ScatteredBody):
+            return self._decode_scattered(c, h, body, body_length)
         if h.compression is not None or self._info.big_endian:
             return self._decode_general(c, h, body, body_length)
         cache = self._prepared
@@ -594,6 +609,32 @@ class MessageDecoder:
             raise CodecError(f"RecordBatch: invalid layout: {e}") from None
         self._validate(c, batch, small)
         return batch
+
+    def decode_scattered(self, metadata: object, buffers: list[pa.Buffer | None]) -> pa.RecordBatch | None:
+        """Decode a message whose body buffers lie apart (one per metadata buffer entry), without copying."""
+        return self.decode_parsed(parse(metadata), ScatteredBody(buffers))
+
+    def _decode_scattered(
+        self, c: _Compiled, h: RecordBatchHeader, body: ScatteredBody, body_length: int
+    ) -> pa.RecordBatch:
+        assert self._info is not None
+        if h.compression is not None or self._info.big_endian:
+            raise CodecError("scattered bodies (address/length pairs) must be uncompressed and little-endian")
+        buffers = body.buffers
+        if len(buffers) != len(h.buffers):
+            raise CodecError(f"the metadata lists {len(h.buffers)} buffers, the body has {len(buffers)}")
+        lengths = np.array([0 if b is None else b.size for b in buffers], np.int64)
+        if len(lengths) and bool((lengths != h.buffers[:, 1]).any()):
+            k = int(np.flatnonzero(lengths != h.buffers[:, 1])[0])
+            raise CodecError(
+                f"body buffer {k} holds {int(lengths[k])} bytes, the metadata says {int(h.buffers[k, 1])}"
+            )
+        nbuf = self._layout(c, h, body_length)
+        self._check_sizes(c, h.nodes, nbuf, lengths)
+        addresses = np.array([0 if b is None or b.size == 0 else b.address for b in buffers], np.uint64)
+        prep = self._template(c, h, nbuf, addresses, lengths, None)
+        prep.extra.extend(b for b in buffers if b is not None)
+        return self._instantiate(c, prep, _EMPTY_BODY)
 
     def _decode_general(
         self, c: _Compiled, h: RecordBatchHeader, body: pa.Buffer, body_length: int
