@@ -8,6 +8,8 @@ Paths (rows of the table), all serving one Arrow IPC file written beforehand and
                           reads it;
 - ``dissoc-tcp-combined`` ``python -m dissoc.cli serve --transport tcp`` subprocess, dissoc client;
 - ``dissoc-tcp-split``    the same with ``--split`` (metadata and bodies on separate connections).
+- ``dissoc-tcp-pairs-shm`` combined, with bodies as address/length pairs into the server's shared memory
+  (the client copies each batch out of the segment and frees it).
 
 Workloads: ``large`` (1 GiB in 16 MiB batches; ``--quick``: 256 MiB) and ``small`` (100k batches of 1k rows,
 16 KiB each; ``--quick``: 10k). Each path runs one untimed warm-up and ``--repeat`` timed transfers; the table
@@ -135,8 +137,8 @@ def _dissoc_reader(stack: contextlib.ExitStack) -> tuple[DissocReader, str]:
     raise Unavailable("no client yet: neither dissoc.client.open_stream/stream_batches nor dissoc.fetch")
 
 
-def dissoc_tcp(split: bool) -> PathFactory:
-    label = f"dissoc tcp {'split' if split else 'combined'}"
+def dissoc_tcp(split: bool, pairs: bool = False) -> PathFactory:
+    label = "dissoc tcp pairs-shm" if pairs else f"dissoc tcp {'split' if split else 'combined'}"
 
     def factory(dataset: Dataset, stack: contextlib.ExitStack) -> Transfer:
         if str(REPO_ROOT) not in sys.path:
@@ -151,7 +153,8 @@ def dissoc_tcp(split: bool) -> PathFactory:
                 raise Unavailable("dissoc.cli does not exist yet")
         read, api = _dissoc_reader(stack)
         argv = [*serve, "--transport", "tcp", "--host", anchors.HOST, "--port", "0"]
-        argv += [*(["--split"] if split else []), str(dataset.path)]
+        argv += [*(["--split"] if split else []), *(["--body", "pairs", "--memory", "shm"] if pairs else [])]
+        argv += [str(dataset.path)]
         lines = anchors.start_server(stack, argv, timeout=SERVER_READY_TIMEOUT)
         info = next((line for line in lines if line.get("ticket") == dataset.ticket), lines[0])
         try:
@@ -177,6 +180,7 @@ PATHS: list[tuple[str, str, PathFactory]] = [
     *anchors.ANCHORS,
     ("dissoc-tcp-combined", "dissoc tcp combined", dissoc_tcp(split=False)),
     ("dissoc-tcp-split", "dissoc tcp split", dissoc_tcp(split=True)),
+    ("dissoc-tcp-pairs-shm", "dissoc tcp pairs-shm", dissoc_tcp(split=False, pairs=True)),
 ]
 
 
