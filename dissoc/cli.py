@@ -133,6 +133,7 @@ async def _get(args: argparse.Namespace) -> int:
     writer: Any = None
     schema_holder: list[Any] = []
     nbytes = 0
+    count = 0
     try:
         async for batch in stream_batches(
             uri,
@@ -143,11 +144,12 @@ async def _get(args: argparse.Namespace) -> int:
             on_schema=schema_holder.append,
         ):
             nbytes += batch.nbytes
+            count += 1
             if args.output is not None:
                 if writer is None:
                     writer = _open_writer(args.output, batch.schema)
                 writer.write_batch(batch)
-            progress.update(stats.batches, nbytes, started)
+            progress.update(count, nbytes, started)
         if args.output is not None and writer is None and schema_holder:
             writer = _open_writer(args.output, schema_holder[0])
     finally:
