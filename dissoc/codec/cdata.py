@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-__all__ = ["STRUCT_SIZE", "Keepalive", "export_array", "import_batch"]
+__all__ = ["STRUCT_SIZE", "Keepalive", "export_array", "import_batch", "view_as"]
 
 STRUCT_SIZE = 80  # sizeof(struct ArrowArray): 5 int64 + 5 pointers
 _RELEASE = 8  # uint64 column of the release callback
@@ -66,6 +66,14 @@ def _release_now(addr: int) -> None:
     fn = ctypes.c_uint64.from_address(addr + 8 * _RELEASE).value
     if fn:
         _RELEASE_FN(fn)(addr)
+
+
+def view_as(obj: Any, target: Any) -> Any:
+    """The same memory under another type (an array) or schema (a batch) of identical layout, no copy."""
+    struct = pa.allocate_buffer(STRUCT_SIZE)
+    obj._export_to_c(struct.address)
+    cls = pa.RecordBatch if isinstance(obj, pa.RecordBatch) else pa.Array
+    return cls._import_from_c(struct.address, target)
 
 
 def export_array(array: pa.Array, keep: Keepalive) -> int:

@@ -34,6 +34,7 @@ from dissoc.codec.schema import (
     Layout,
     SchemaInfo,
     decode_schema,
+    map_type,
 )
 from dissoc.errors import CodecError
 
@@ -253,43 +254,14 @@ def _concat(a: pa.Array, b: pa.Array) -> pa.Array:
         storage = _storage_type(a.type)
         if storage.equals(a.type):
             raise
-        return _view_as(pa.concat_arrays([_view_as(a, storage), _view_as(b, storage)]), a.type)
-
-
-def _view_as(array: pa.Array, ty: pa.DataType) -> pa.Array:
-    struct = pa.allocate_buffer(cdata.STRUCT_SIZE)
-    array._export_to_c(struct.address)
-    return pa.Array._import_from_c(struct.address, ty)
+        return cdata.view_as(pa.concat_arrays([cdata.view_as(a, storage), cdata.view_as(b, storage)]), a.type)
 
 
 def _storage_type(ty: pa.DataType) -> pa.DataType:
     """``ty`` with every extension type replaced by its storage type."""
-    t = pa.types
-    if isinstance(ty, pa.BaseExtensionType):
-        return _storage_type(ty.storage_type)
-    if t.is_dictionary(ty):
-        return pa.dictionary(ty.index_type, _storage_type(ty.value_type), ty.ordered)
-    if ty.num_fields == 0:
-        return ty
-    fields = [ty.field(i) for i in range(ty.num_fields)]
-    inner = [f.with_type(_storage_type(f.type)) for f in fields]
-    if t.is_struct(ty):
-        return pa.struct(inner)
-    if t.is_map(ty):
-        return pa.map_(inner[0].type.field(0), inner[0].type.field(1), ty.keys_sorted)
-    if t.is_union(ty):
-        return pa.union(inner, ty.mode, list(ty.type_codes))
-    if t.is_run_end_encoded(ty):
-        return pa.run_end_encoded(inner[0].type, inner[1].type)
-    if t.is_fixed_size_list(ty):
-        return pa.list_(inner[0], ty.list_size)
-    factory = {
-        pa.lib.Type_LIST: pa.list_,
-        pa.lib.Type_LARGE_LIST: pa.large_list,
-        pa.lib.Type_LIST_VIEW: pa.list_view,
-        pa.lib.Type_LARGE_LIST_VIEW: pa.large_list_view,
-    }[ty.id]
-    return factory(inner[0])
+    return map_type(
+        ty, lambda t: _storage_type(t.storage_type) if isinstance(t, pa.BaseExtensionType) else None
+    )
 
 
 class ScatteredBody:

@@ -15,9 +15,10 @@ import flatbuffers
 import numpy as np
 import pyarrow as pa
 
+from dissoc.codec import cdata
 from dissoc.codec.compression import codec_id, compress_buffer
 from dissoc.codec.message import HeaderType, encode_dictionary_batch, encode_record_batch
-from dissoc.codec.schema import DictionaryIds, build_message, encode_schema
+from dissoc.codec.schema import DictionaryIds, build_message, encode_schema, map_type
 from dissoc.errors import CodecError
 
 __all__ = ["EncodedMessage", "MessageEncoder"]
@@ -262,44 +263,16 @@ _OPAQUE_TYPES = {
 
 def _python_safe(ty: pa.DataType) -> pa.DataType:
     """``ty`` with types pyarrow cannot give Python (month, day-time intervals) replaced by same layouts."""
-    if ty.id in _OPAQUE_TYPES:
-        return _OPAQUE_TYPES[ty.id]
-    if isinstance(ty, pa.BaseExtensionType):
-        storage = _python_safe(ty.storage_type)
-        return ty if storage.equals(ty.storage_type) else storage
-    if pa.types.is_dictionary(ty):
-        return pa.dictionary(ty.index_type, _python_safe(ty.value_type), ty.ordered)
-    if ty.num_fields == 0:
-        return ty
-    fields = [ty.field(i) for i in range(ty.num_fields)]
-    safe = [f.with_type(_python_safe(f.type)) for f in fields]
-    if all(a.type.equals(b.type) for a, b in zip(fields, safe, strict=True)):
-        return ty
-    t = pa.types
-    if t.is_map(ty):
-        return pa.map_(safe[0].type.field(0), safe[0].type.field(1), ty.keys_sorted)
-    if t.is_struct(ty):
-        return pa.struct(safe)
-    if t.is_union(ty):
-        return pa.union(safe, ty.mode, list(ty.type_codes))
-    if t.is_run_end_encoded(ty):
-        return pa.run_end_encoded(safe[0].type, safe[1].type)
-    factories = {
-        pa.lib.Type_LIST: pa.list_,
-        pa.lib.Type_LARGE_LIST: pa.large_list,
-        pa.lib.Type_LIST_VIEW: pa.list_view,
-        pa.lib.Type_LARGE_LIST_VIEW: pa.large_list_view,
-    }
-    if t.is_fixed_size_list(ty):
-        return pa.list_(safe[0], ty.list_size)
-    return factories[ty.id](safe[0])
 
+    def replace(t: pa.DataType) -> pa.DataType | None:
+        if t.id in _OPAQUE_TYPES:
+            return _OPAQUE_TYPES[t.id]
+        if isinstance(t, pa.BaseExtensionType):
+            storage = _python_safe(t.storage_type)
+            return t if storage.equals(t.storage_type) else storage
+        return None
 
-def _reinterpret(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
-    """The same memory viewed with ``schema`` (same layouts), through the C Data Interface."""
-    struct = pa.allocate_buffer(80)
-    batch._export_to_c(struct.address)
-    return pa.RecordBatch._import_from_c(struct.address, schema)
+    return map_type(ty, replace)
 
 
 def _delta_safe(ty: pa.DataType, top: bool = True) -> bool:
@@ -350,7 +323,7 @@ class MessageEncoder:
         if schema is not self.schema and not schema.equals(self.schema, check_metadata=False):
             raise CodecError(f"batch schema {schema} does not match the stream schema {self.schema}")
         if self._storage_schema is not None:
-            batch = _reinterpret(batch, self._storage_schema)
+            batch = cdata.view_as(batch, self._storage_schema)
         fl = _Flattener(self.ids)
         visit = fl.visit
         for i, column in enumerate(batch.columns):

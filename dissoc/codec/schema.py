@@ -9,6 +9,7 @@ Dictionary-encoded fields carry the index layout; the dictionary's own value lay
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ __all__ = [
     "SchemaInfo",
     "decode_schema",
     "encode_schema",
+    "map_type",
 ]
 
 MAX_NESTING = 64
@@ -511,6 +513,42 @@ def decode_schema(t: Table, metadata_version: int = 4) -> SchemaInfo:
     except (pa.ArrowException, TypeError, ValueError) as e:
         raise CodecError(f"invalid schema: {e}") from None
     return SchemaInfo(schema, plans, dec.dictionaries, endianness == 1, features)
+
+
+def map_type(ty: pa.DataType, replace: Callable[[pa.DataType], pa.DataType | None]) -> pa.DataType:
+    """``ty`` rebuilt with ``replace`` applied depth first: where it returns a type, that type stands in
+    (return the argument to keep it as it is); where it returns None, the children are mapped and the type
+    is rebuilt around them (unchanged when they are)."""
+    new = replace(ty)
+    if new is not None:
+        return new
+    t = pa.types
+    if t.is_dictionary(ty):
+        value = map_type(ty.value_type, replace)
+        return ty if value.equals(ty.value_type) else pa.dictionary(ty.index_type, value, ty.ordered)
+    if ty.num_fields == 0:
+        return ty
+    fields = [ty.field(i) for i in range(ty.num_fields)]
+    inner = [f.with_type(map_type(f.type, replace)) for f in fields]
+    if all(a.type.equals(b.type) for a, b in zip(fields, inner, strict=True)):
+        return ty
+    if t.is_map(ty):
+        return pa.map_(inner[0].type.field(0), inner[0].type.field(1), ty.keys_sorted)
+    if t.is_struct(ty):
+        return pa.struct(inner)
+    if t.is_union(ty):
+        return pa.union(inner, ty.mode, list(ty.type_codes))
+    if t.is_run_end_encoded(ty):
+        return pa.run_end_encoded(inner[0].type, inner[1].type)
+    if t.is_fixed_size_list(ty):
+        return pa.list_(inner[0], ty.list_size)
+    factory = {
+        pa.lib.Type_LIST: pa.list_,
+        pa.lib.Type_LARGE_LIST: pa.large_list,
+        pa.lib.Type_LIST_VIEW: pa.list_view,
+        pa.lib.Type_LARGE_LIST_VIEW: pa.large_list_view,
+    }[ty.id]
+    return factory(inner[0])
 
 
 # --------------------------------------------------------------------------------------------------- encode
