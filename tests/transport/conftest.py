@@ -10,14 +10,17 @@ from typing import Any
 
 import pytest
 
-from dissoc.transport import Connection, TcpConnection, connect_tcp, memory_pair, serve_tcp
+from dissoc.transport import Connection, TcpConnection, connect, connect_tcp, memory_pair, serve
 
 
 @contextlib.asynccontextmanager
-async def tcp_pair(
-    client_options: dict[str, Any] | None = None, server_options: dict[str, Any] | None = None
+async def connected_pair(
+    scheme: str,
+    client_options: dict[str, Any] | None = None,
+    server_options: dict[str, Any] | None = None,
+    timeout: float = 10,
 ) -> AsyncIterator[tuple[Connection, Connection]]:
-    """A client connection and the server side of it, over loopback TCP."""
+    """A client connection and the server side of it, through the transport registered for ``scheme``."""
     accepted: asyncio.Queue[Connection] = asyncio.Queue()
     done = asyncio.Event()
 
@@ -25,10 +28,10 @@ async def tcp_pair(
         await accepted.put(conn)
         await done.wait()
 
-    listener = await serve_tcp("127.0.0.1", 0, handler, **(server_options or {}))
+    listener = await serve(scheme, "127.0.0.1", 0, handler, **(server_options or {}))
     try:
-        client = await connect_tcp("127.0.0.1", listener.port, **(client_options or {}))
-        server = await asyncio.wait_for(accepted.get(), 5)
+        client = await connect(scheme, "127.0.0.1", listener.port, **(client_options or {}))
+        server = await asyncio.wait_for(accepted.get(), timeout)
         try:
             yield client, server
         finally:
@@ -37,7 +40,14 @@ async def tcp_pair(
     finally:
         done.set()
         listener.close()
-        await listener.wait_closed()
+        await asyncio.wait_for(listener.wait_closed(), timeout)
+
+
+def tcp_pair(
+    client_options: dict[str, Any] | None = None, server_options: dict[str, Any] | None = None
+) -> contextlib.AbstractAsyncContextManager[tuple[Connection, Connection]]:
+    """A client connection and the server side of it, over loopback TCP."""
+    return connected_pair("tcp", client_options, server_options, timeout=5)
 
 
 @contextlib.asynccontextmanager

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -25,39 +24,21 @@ from dissoc.transport import (
     serve,
 )
 
+from .conftest import connected_pair
+
 pytestmark = [pytest.mark.ucx, pytest.mark.timeout(60)]
 
 MiB = 1 << 20
 BODY = 1 << 56  # body type 1 in the high byte
 
 
-@contextlib.asynccontextmanager
-async def ucx_pair(
+def ucx_pair(
     client_options: dict[str, Any] | None = None, server_options: dict[str, Any] | None = None
-) -> AsyncIterator[tuple[Connection, Connection]]:
+) -> contextlib.AbstractAsyncContextManager[tuple[Connection, Connection]]:
     """A client connection and the server side of it, through a UCX listener."""
-    from dissoc.transport.ucx import connect_ucx, serve_ucx
+    import dissoc.transport.ucx  # noqa: F401 - registers the "ucx" scheme
 
-    accepted: asyncio.Queue[Connection] = asyncio.Queue()
-    done = asyncio.Event()
-
-    async def handler(conn: Connection) -> None:
-        await accepted.put(conn)
-        await done.wait()
-
-    listener = await serve_ucx("127.0.0.1", 0, handler, **(server_options or {}))
-    try:
-        client = await connect_ucx("127.0.0.1", listener.port, **(client_options or {}))
-        server = await asyncio.wait_for(accepted.get(), 10)
-        try:
-            yield client, server
-        finally:
-            await client.close()
-            await server.close()
-    finally:
-        done.set()
-        listener.close()
-        await asyncio.wait_for(listener.wait_closed(), 10)
+    return connected_pair("ucx", client_options, server_options, timeout=10)
 
 
 def test_import_is_lazy_and_leaves_the_environment() -> None:
