@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from dissoc.codec import MessageDecoder
 from dissoc.errors import DissocError, ProtocolError, RemoteError, ResourceError, TransportError
-from dissoc.memory.shm import ShmView
+from dissoc.pair_memory import PairReader, open_pair_reader
 from dissoc.protocol import (
     BODY_ERROR,
     BODY_PACKED,
@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: Tasks that outlive the call that started them (zero-copy sessions waiting for their batches to go).
+_background: set[asyncio.Task[None]] = set()
+
 
 @dataclass(frozen=True, slots=True)
 class ClientOptions:
@@ -71,6 +74,13 @@ class ClientOptions:
     ``ordered_metadata``: the metadata transport delivers in order (default: true for ``tcp``), so a gap,
     a duplicate or a wrong end-of-stream count is an error at once; otherwise metadata may arrive in any
     order (the spec's sequence numbers allow it) and a gap is only reported when the timeout expires.
+    ``ucx_path``: how a ``ucx`` connection is set up: ``"listener"`` (host:port, works across hosts),
+    ``"address"`` (the URI's ``worker`` address, same host) or ``"auto"`` (the address path when the server's
+    host is this machine).
+    ``zero_copy``: pairs in shared memory (``memory=shm``) become batches over the mapped segment itself, no
+    copy; each batch's ranges are freed when the batch is released, and the data connection stays open until
+    every such batch is (the server would reuse the memory otherwise). Synchronous calls then run the stream
+    on a background event loop that outlives the call.
     """
 
     timeout: float = 30.0
@@ -79,6 +89,8 @@ class ClientOptions:
     window: int = 4096
     validate: bool = True
     ordered_metadata: bool | None = None
+    ucx_path: str = "auto"
+    zero_copy: bool = False
 
 
 @dataclass(slots=True)
@@ -126,23 +138,50 @@ class _Session:
         self.conns: list[Connection] = []
         self.tasks: list[asyncio.Task[None]] = []
         self.stats = FetchStats()
+        self.stream_done = False
         ordered = options.ordered_metadata
         self.ordered = meta_uri.scheme == "tcp" if ordered is None else ordered
         self.expected_meta = 0
-        self.shm: ShmView | None = None
+        self.pairs: PairReader | None = None
         self.to_free: list[int] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         if data_uri.memory is not None:
-            if data_uri.memory != "shm" or data_uri.remote_handle is None or data_uri.free_data is None:
-                raise ProtocolError(
-                    f"data URI: memory={data_uri.memory!r} needs memory=shm with remote_handle and free_data "
-                    f"(only shared memory on this host is supported), got {data_uri}"
-                )
-            self.shm = ShmView.attach(data_uri.remote_handle)
+            self.pairs = open_pair_reader(
+                data_uri, zero_copy=options.zero_copy, on_release=self._released, timeout=options.timeout
+            )
+
+    def _released(self, offsets: list[int]) -> None:
+        """A zero-copy batch was released (in any thread): free its ranges from the event loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop stopped meanwhile
+            loop.call_soon_threadsafe(self._free_later, offsets)
+
+    def _free_later(self, offsets: list[int]) -> None:
+        self.to_free.extend(offsets)
+        if self.stream_done and self.data_conn is not None:
+            task = asyncio.get_running_loop().create_task(self._flush_quietly())
+            _background.add(task)
+            task.add_done_callback(_background.discard)
+
+    async def _flush_quietly(self) -> None:
+        with contextlib.suppress(DissocError):
+            await self.flush_frees()
 
     async def _connect(self, uri: DissocURI) -> Connection:
+        extra: dict[str, Any] = {}
+        if uri.scheme == "ucx":
+            extra = {"worker": uri.params.get("worker"), "path": self.options.ucx_path}
         try:
             return await asyncio.wait_for(
-                connect(uri.scheme, uri.host, uri.port, max_buffered_bytes=self.options.max_buffered_bytes),
+                connect(
+                    uri.scheme,
+                    uri.host,
+                    uri.port,
+                    max_buffered_bytes=self.options.max_buffered_bytes,
+                    **extra,
+                ),
                 self.options.timeout,
             )
         except TimeoutError:
@@ -153,6 +192,7 @@ class _Session:
             raise TransportError(f"connecting to {uri.host}:{uri.port} failed: {e}") from None
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         meta = await self._connect(self.meta_uri)
         self.conns.append(meta)
         data = meta
@@ -291,20 +331,16 @@ class _Session:
         return batch
 
     def _decode_pairs(self, ev: MessageReady) -> pa.RecordBatch | None:
-        """Body type 1: copy the listed ranges out of the server's shared memory, then free them."""
-        if self.shm is None:
+        """Body type 1: read the listed ranges (copy, zero-copy or RMA, by the data URI), free what is done."""
+        if self.pairs is None:
             raise ProtocolError(
-                f"message {fmt_seq(ev.seq)}: address/length pairs, but the data URI names no shared memory"
+                f"message {fmt_seq(ev.seq)}: address/length pairs, but the data URI names no memory for them"
             )
         pairs = ev.body
         assert isinstance(pairs, PairList)
-        views = self.shm.buffers(pairs)
-        # Copy mode: the batch owns private memory, so the ranges can be freed at once (a zero-copy batch
-        # would have to hold them until its last user lets go).
-        copies = [None if v.size == 0 else pa.py_buffer(bytes(memoryview(v))) for v in views]
-        addresses = [int(a) for a, n in pairs.pairs.tolist() if n]
-        self.to_free.extend(addresses)
-        batch = self.decoder.decode_scattered(ev.metadata, copies)
+        buffers, done = self.pairs.read(pairs)
+        self.to_free.extend(done)
+        batch = self.decoder.decode_scattered(ev.metadata, buffers)
         if batch is not None:
             self.stats.batches += 1
             self.stats.rows += batch.num_rows
@@ -323,13 +359,34 @@ class _Session:
         for t in self.tasks:
             with contextlib.suppress(BaseException):  # cancelled, or already reported to the consumer
                 await t
+        self.stream_done = True
+        reader = self.pairs
+        if reader is not None and reader.zero_copy and not reader.idle.is_set():  # type: ignore[attr-defined]
+            # Zero-copy batches still use the server's memory: the data connection (which holds those ranges
+            # on the server) stays open until the last of them is released.
+            task = asyncio.get_running_loop().create_task(self._linger(reader))
+            _background.add(task)
+            task.add_done_callback(_background.discard)
+            return
+        await self._shutdown()
+
+    async def _linger(self, reader: PairReader) -> None:
+        idle: threading.Event = reader.idle  # type: ignore[attr-defined]
+        try:
+            while not idle.is_set():
+                await asyncio.sleep(0.05)
+                await self._flush_quietly()
+        finally:
+            await self._shutdown()
+
+    async def _shutdown(self) -> None:
         with contextlib.suppress(DissocError):
             await self.flush_frees()
         for c in self.conns:
             with contextlib.suppress(DissocError):
                 await c.close()
-        if self.shm is not None:
-            self.shm.close()
+        if self.pairs is not None:
+            self.pairs.close()
 
 
 async def stream_chunks(
@@ -451,6 +508,8 @@ def fetch(
     options: ClientOptions | None = None,
 ) -> pa.Table:
     """Fetch a whole stream as a ``pa.Table`` (synchronous)."""
+    if options is not None and options.zero_copy:
+        return _SharedRunner.get().run(fetch_async(uri, ticket, data_uri=data_uri, options=options))
     return _run(lambda: fetch_async(uri, ticket, data_uri=data_uri, options=options))
 
 
@@ -482,7 +541,11 @@ class StreamReader:
             in_loop = True
         except RuntimeError:
             in_loop = False
-        self._runner = _ThreadRunner() if in_loop else asyncio.Runner()
+        self._runner: Any
+        if options is not None and options.zero_copy:
+            self._runner = _SharedRunner.get()  # zero-copy sessions outlive the reader (see ClientOptions)
+        else:
+            self._runner = _ThreadRunner() if in_loop else asyncio.Runner()
 
     def _set_schema(self, schema: pa.Schema) -> None:
         self._schema = schema
@@ -562,6 +625,23 @@ class _ThreadRunner:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
+
+
+class _SharedRunner(_ThreadRunner):
+    """One process-wide loop thread for zero-copy sessions, which must outlive the calls that started them."""
+
+    _instance: _SharedRunner | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def get(cls) -> _SharedRunner:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def close(self) -> None:
+        """Never stopped by a reader: other sessions may still be using it."""
 
 
 def open_stream(

@@ -15,7 +15,8 @@ from typing import Any, Self
 from dissoc.data_server import DataServer
 from dissoc.datasets import Catalog, Dataset
 from dissoc.errors import DissocError
-from dissoc.memory.shm import ShmArena, cleanup_stale
+from dissoc.memory.shm import ShmArena
+from dissoc.pair_memory import ServedArena
 from dissoc.metadata_server import CombinedServer, MetadataServer
 from dissoc.protocol.ledger import Ledger
 from dissoc.serving import RoleServer, ServeOptions
@@ -59,23 +60,29 @@ class Server:
         for name, obj in (datasets or {}).items():
             self.catalog.add(name, obj)
         self.arena: ShmArena | None = None
+        self.served: ServedArena | None = None
         ledger = None
         if body not in ("packed", "pairs"):
             raise DissocError(f"body must be 'packed' or 'pairs', got {body!r}")
         if body == "pairs":
             memory = memory or "shm"
-            if memory != "shm":
-                raise DissocError(f"pairs over memory {memory!r} are not available yet (only 'shm')")
+            if memory == "ucx" and transport != "ucx":
+                raise DissocError("memory='ucx' (pairs read with UCX RMA) needs transport='ucx'")
             if compression is not None:
                 raise DissocError("compression applies to packed bodies; pairs point at uncompressed buffers")
-            cleanup_stale()
-            self.arena = ShmArena.create(arena_bytes)
+            self.served = ServedArena(memory, arena_bytes)
+            self.arena = self.served.arena
             ledger = Ledger(arena_bytes)
             free_data = DEFAULT_FREE_DATA if free_data is None else free_data
         elif memory is not None:
             raise DissocError(f"memory={memory!r} needs body='pairs'")
         options = ServeOptions(
-            want_data=want_data, free_data=free_data, compression=compression, arena=self.arena, ledger=ledger
+            want_data=want_data,
+            free_data=free_data,
+            compression=compression,
+            arena=self.arena,
+            ledger=ledger,
+            served=self.served,
         )
         self.split = split
         self._servers: list[RoleServer]
@@ -130,8 +137,8 @@ class Server:
     async def close(self) -> None:
         for s in self._servers:
             await s.close()
-        if self.arena is not None:
-            self.arena.close()  # unlinks the segment
+        if self.served is not None:
+            self.served.close()  # unregisters from UCX, unlinks the segment
         self._closed.set()
 
     async def __aenter__(self) -> Self:

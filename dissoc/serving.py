@@ -62,6 +62,7 @@ class ServeOptions:
     compression: str | None = None
     arena: Any = None
     ledger: Ledger | None = None
+    served: Any = None  # the dissoc.pair_memory.ServedArena that owns ``arena``: what the data URI publishes
 
 
 async def _batches(dataset: Dataset) -> AsyncIterator[pa.RecordBatch]:
@@ -309,15 +310,19 @@ class RoleServer:
 
     def uri(self, **params: str) -> DissocURI:
         """The URI clients use to reach this server (with where pairs point, for a data server using them)."""
-        arena = self.options.arena if self.role is not Role.METADATA else None
+        served = self.options.served if self.role is not Role.METADATA else None
+        if self._listener is not None:
+            params = {**self._listener.uri_params(), **params}
+        if served is not None:
+            params = {**served.params, **params}
         return DissocURI(
             self.transport,
             self.host,
             self.port,
             self.options.want_data,
-            self.options.free_data if arena is not None else None,
-            remote_handle=arena.handle if arena is not None else None,
-            memory="shm" if arena is not None else None,
+            self.options.free_data if served is not None else None,
+            remote_handle=served.remote_handle if served is not None else None,
+            memory=served.memory if served is not None else None,
             params=params,
         )
 

@@ -776,6 +776,10 @@ class Listener(abc.ABC):
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{self.scheme}://{host}:{self.port}"
 
+    def uri_params(self) -> dict[str, str]:
+        """Extra URI query parameters clients of this listener may use (e.g. ucx's ``worker``)."""
+        return {}
+
     @property
     def connections(self) -> frozenset[Connection]:
         """The connections whose handlers are still running."""

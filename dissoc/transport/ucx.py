@@ -48,6 +48,8 @@ warnings about them on stdout.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import itertools
 import logging
@@ -81,8 +83,17 @@ __all__ = ["MAGIC", "UcxConnection", "UcxListener", "connect_ucx", "serve_ucx"]
 
 logger = logging.getLogger(__name__)
 
-#: First bytes of both handshake active messages (then the sender's UCX worker address).
+#: First bytes of every handshake message (then the sender's UCX worker address).
 MAGIC = b"DISSOC-UCX/1\0"
+#: Tags of the connection-control messages ("DISSOC" then a number). Their top byte has bits the Dissociated
+#: IPC tag layout reserves, so no data message carries them.
+HELLO_TAG = 0x444953534F430001  # client -> the listener's worker, by worker address: MAGIC + its address
+REPLY_TAG = 0x444953534F430002  # server -> the client's worker: MAGIC + the connection worker's address
+BYE_TAG = 0x444953534F430003  # either side, on the data endpoint, before it closes the connection
+#: Largest handshake message accepted (a UCX worker address is a few hundred bytes).
+_MAX_HELLO = 16 * 1024
+#: Connection paths (see the module docstring).
+PATHS = ("auto", "listener", "address")
 #: Untagged messages up to this size are handed out as ``bytes`` (larger ones as a memoryview, no copy).
 _SMALL_UNTAGGED = 64 * 1024
 #: Seconds between guard progress calls while requests are outstanding.
@@ -519,6 +530,9 @@ class UcxConnection(Connection):
             return False
         found = int(probe.sender_tag.value)
         length = int(probe.length)
+        if found == BYE_TAG:
+            self._take_bye(length)
+            return True
         if length > self._max_message_bytes:
             self._teardown(
                 MessageTooLargeError(
@@ -542,6 +556,33 @@ class UcxConnection(Connection):
         return True
 
     # ------------------------------------------------------------------------------------------------ closing
+
+    def _take_bye(self, length: int) -> None:
+        """The peer announced that it closes: consume the notice, then drain and fail like a lost peer."""
+        probe = self._worker.tag_probe(_tag(BYE_TAG), _mask(TAG_MASK_ALL), True)
+        if probe.matched:
+            sink = bytearray(max(1, min(length, _MAX_HELLO)))
+            with contextlib.suppress(Exception):
+                self._driver._pending.append(
+                    _Pending(self._worker.tag_recv_with_handle(_array(sink), probe), sink, None)
+                )
+        if not self._closed and not self._closing:
+            self._loop.call_soon(self._on_peer_gone)
+
+    def _send_bye(self) -> asyncio.Future[None] | None:
+        """Tell the peer this side closes (it may not learn it otherwise on the address path)."""
+        if self._ep is None or self._peer_gone:
+            return None
+        try:
+            data = MAGIC
+            array = _array(data)
+            request = self._ep.tag_send(array, _tag(BYE_TAG))
+        except Exception:
+            return None
+        future: asyncio.Future[None] = self._loop.create_future()
+        self._driver._pending.append(_Pending(request, (array, data), future))
+        self._driver.kick()
+        return future
 
     def _on_bootstrap_closed(self, *args: Any) -> None:
         # Called from inside a worker's progress: act from the event loop instead.
@@ -628,9 +669,12 @@ class UcxConnection(Connection):
         if not self._closing and not self._closed:
             self._closing = True
             # Let outstanding sends complete first, so that what was sent before close() reaches the peer.
+            bye = self._send_bye()
             pending = [
                 p.future for p in self._driver._pending if p.future is not None and not p.future.done()
             ]
+            if bye is not None:
+                pending.append(bye)
             if pending and not self._peer_gone:
                 await asyncio.wait(pending, timeout=_CLOSE_WAIT)
             self._teardown(self._error or TransportError(f"connection {self._description} was closed"))
@@ -672,6 +716,52 @@ async def _send_am(driver: _Driver, endpoint: Any, data: bytes, what: str) -> No
     except Exception as exc:
         raise TransportError(f"{driver.description}: {what} failed: {exc}") from exc
     await driver.wait(request, (array, data), what)
+
+
+async def _send_tagged(driver: _Driver, endpoint: Any, tag: int, data: bytes, what: str) -> None:
+    try:
+        array = _array(data)
+        request = endpoint.tag_send(array, _tag(tag))
+    except Exception as exc:
+        raise TransportError(f"{driver.description}: {what} failed: {exc}") from exc
+    await driver.wait(request, (array, data), what)
+
+
+async def _recv_tagged(driver: _Driver, tag: int, what: str) -> bytes:
+    """Receive one message of exactly ``tag`` on the driver's worker (at most ``_MAX_HELLO`` bytes)."""
+    worker = driver.worker
+    while True:
+        probe = worker.tag_probe(_tag(tag), _mask(TAG_MASK_ALL), False)
+        if probe.matched:
+            break
+        if driver.closed:
+            raise TransportError(f"{driver.description}: {what}: the connection is closed")
+        driver.kick()
+        await asyncio.sleep(0.001)
+    length = int(probe.length)
+    if length > _MAX_HELLO:
+        raise TransportError(f"{driver.description}: {what}: the answer is {length} bytes, not a handshake")
+    probe = worker.tag_probe(_tag(tag), _mask(TAG_MASK_ALL), True)
+    buffer = bytearray(max(1, length))
+    array = _array(buffer)
+    await driver.wait(worker.tag_recv_with_handle(array, probe), (array, buffer), what)
+    return bytes(buffer[:length])
+
+
+def _is_local_host(host: str) -> bool:
+    """Is ``host`` an address of this machine (so that UCX can use shared memory to reach it)?"""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((sockaddr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def _close_endpoint(endpoint: Any) -> None:
@@ -720,6 +810,10 @@ class UcxListener(Listener):
         self._port = int(self._listener.port)
         self._host = host or str(self._listener.ip)
         self._driver.description = f"ucx listener {self.address}"
+        self._worker_address = bytes(worker.address.tobytes())
+        self._hellos: list[tuple[Any, bytearray]] = []
+        self._driver.on_progress = self._poll_hellos
+        self._driver.busy = lambda: bool(self._hellos)
         self._driver.kick()
         logger.debug("listening on %s", self.address)
 
@@ -732,6 +826,93 @@ class UcxListener(Listener):
     def port(self) -> int:
         """The bound port."""
         return self._port
+
+    @property
+    def worker_address(self) -> bytes:
+        """The listener worker's UCX address (what a same-host client connects to on the address path)."""
+        return self._worker_address
+
+    def uri_params(self) -> dict[str, str]:
+        """``worker``: the listener worker's address (base64), for the same-host path."""
+        return {"worker": base64.b64encode(self._worker_address).decode("ascii")}
+
+    def _poll_hellos(self) -> bool:
+        """Take handshakes of clients connecting by worker address (tagged ``HELLO_TAG`` on this worker)."""
+        activity = False
+        if self._hellos:
+            done = [h for h in self._hellos if h[0].completed]
+            if done:
+                activity = True
+                self._hellos = [h for h in self._hellos if not h[0].completed]
+                for request, buffer in done:
+                    try:
+                        request.check_error()
+                    except Exception as exc:
+                        logger.info("%s: receiving a handshake failed: %s", self.address, exc)
+                        continue
+                    length = len(buffer)
+                    if self._closing:
+                        continue
+                    task = self._loop.create_task(self._accept_address(bytes(buffer[:length])))
+                    self._handshakes.add(task)
+                    task.add_done_callback(self._handshakes.discard)
+        worker = self._driver.worker
+        while len(self._hellos) < 64:
+            probe = worker.tag_probe(_tag(HELLO_TAG), _mask(TAG_MASK_ALL), False)
+            if not probe.matched:
+                break
+            length = int(probe.length)
+            probe = worker.tag_probe(_tag(HELLO_TAG), _mask(TAG_MASK_ALL), True)
+            if not probe.matched:
+                break
+            # An oversized handshake is received into a small buffer: UCX truncates it and reports an error,
+            # so nothing larger than _MAX_HELLO is ever allocated for it.
+            buffer = bytearray(max(1, min(length, _MAX_HELLO)))
+            self._hellos.append((worker.tag_recv_with_handle(_array(buffer), probe), buffer))
+            activity = True
+        return activity
+
+    async def _accept_address(self, hello: bytes) -> None:
+        """The address path: a fresh worker for the client, a data endpoint and a monitor endpoint to it."""
+        number = next(self._count)
+        description = f"ucx {self.address}<-client#{number}(address)"
+        driver: _Driver | None = None
+        monitor: Any = None
+        try:
+            async with asyncio.timeout(self._handshake_timeout):
+                client_address = _parse_hello(hello, description)
+                lib = self._lib
+                client = lib.UCXAddress.create_from_buffer(client_address)
+                worker = lib.UCXWorker(_ucx_context())
+                driver = _Driver(worker, self._loop, description)
+                endpoint = worker.create_endpoint_from_worker_address(client, self._error_handling)
+                # Peer-failure handling on: UCX reports the client's death here (as the listener path's
+                # bootstrap endpoint does).
+                monitor = self._driver.worker.create_endpoint_from_worker_address(client, True)
+                connection = UcxConnection(
+                    driver, endpoint, monitor, self._driver, description=description, **self._limits
+                )
+                try:
+                    reply = MAGIC + bytes(worker.address.tobytes())
+                    await _send_tagged(self._driver, monitor, REPLY_TAG, reply, "answering the handshake")
+                except BaseException:
+                    await connection.close()
+                    raise
+        except TimeoutError:
+            logger.info("%s: handshake timed out after %s s", description, self._handshake_timeout)
+        except Exception as exc:
+            logger.info("%s: handshake failed: %s", description, exc)
+        else:
+            if self._closing:
+                await connection.close()
+                return
+            logger.debug("accepted %s", description)
+            self._start_handler(connection)
+            return
+        if driver is not None:
+            driver.close()
+        if monitor is not None:
+            _close_endpoint(monitor)
 
     def _on_request(self, conn_request: int, *args: Any) -> None:
         # Called from inside the listener worker's progress.
@@ -843,36 +1024,68 @@ async def connect_ucx(
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
     allocator: Allocator | None = None,
     error_handling: bool = False,
+    worker: bytes | str | None = None,
+    path: str = "auto",
 ) -> UcxConnection:
-    """Connect to a :func:`serve_ucx` listener at ``host:port``; TransportError on failure or timeout."""
+    """Connect to a :func:`serve_ucx` listener; TransportError on failure or timeout.
+
+    ``worker`` is the listener worker's address (bytes, or the base64 text of the URI's ``worker`` parameter).
+    ``path`` picks how the connection is set up: ``"listener"`` through ``host:port`` (works across hosts),
+    ``"address"`` straight to ``worker`` (same host, no TCP connection), or ``"auto"``: the address path when
+    ``worker`` is known and ``host`` is an address of this machine, the listener path otherwise.
+    """
+    if path not in PATHS:
+        raise TransportError(f"ucx path: expected one of {', '.join(PATHS)}, got {path!r}")
+    if isinstance(worker, str):
+        try:
+            worker = base64.b64decode(worker.replace("-", "+").replace("_", "/"), validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise TransportError(f"ucx worker address: expected base64, got {worker[:40]!r}: {exc}") from exc
+    if path == "address" and not worker:
+        raise TransportError("ucx path 'address' needs the server's worker address (the URI's 'worker')")
+    use_address = bool(worker) and (path == "address" or (path == "auto" and _is_local_host(host)))
     lib = _lib()
     loop = asyncio.get_running_loop()
-    where = f"ucx://{host}:{port}"
+    where = f"ucx://{host}:{port}" + (" (by worker address)" if use_address else "")
+    address = ""
+    if not use_address:
+        try:
+            infos = await loop.getaddrinfo(host, port, family=socket.AF_INET, type=socket.SOCK_STREAM)
+            address = str(infos[0][4][0])
+        except (OSError, IndexError) as exc:
+            raise TransportError(f"cannot connect to {where}: {exc}") from exc
+    description = f"ucx ->{host}:{port}" + ("(address)" if use_address else "")
     try:
-        infos = await loop.getaddrinfo(host, port, family=socket.AF_INET, type=socket.SOCK_STREAM)
-        address = str(infos[0][4][0])
-    except (OSError, IndexError) as exc:
-        raise TransportError(f"cannot connect to {where}: {exc}") from exc
-    description = f"ucx ->{host}:{port}"
-    try:
-        worker = lib.UCXWorker(_ucx_context())
+        client_worker = lib.UCXWorker(_ucx_context())
     except Exception as exc:
         raise TransportError(f"cannot connect to {where}: cannot create a UCX worker: {exc}") from exc
-    driver = _Driver(worker, loop, description)
+    driver = _Driver(client_worker, loop, description)
     bootstrap: Any = None
     try:
         async with asyncio.timeout(timeout):
+            hello = MAGIC + bytes(client_worker.address.tobytes())
+            if use_address:
+                assert isinstance(worker, bytes)
+                try:
+                    bootstrap = client_worker.create_endpoint_from_worker_address(
+                        lib.UCXAddress.create_from_buffer(worker), True
+                    )
+                except Exception as exc:
+                    raise TransportError(f"cannot connect to {where}: {exc}") from exc
+                await _send_tagged(driver, bootstrap, HELLO_TAG, hello, f"connecting to {where}")
+                reply = await _recv_tagged(driver, REPLY_TAG, f"connecting to {where}")
+                server_address = _parse_hello(reply, description)
+            else:
+                try:
+                    bootstrap = lib.UCXEndpoint.create(client_worker, address, port, True)
+                except Exception as exc:
+                    raise TransportError(f"cannot connect to {where}: {exc}") from exc
+                reply_request = bootstrap.am_recv()
+                await _send_am(driver, bootstrap, hello, f"connecting to {where}")
+                await driver.wait(reply_request, None, f"connecting to {where}")
+                server_address = _parse_hello(reply_request.recv_buffer, description)
             try:
-                bootstrap = lib.UCXEndpoint.create(worker, address, port, True)
-            except Exception as exc:
-                raise TransportError(f"cannot connect to {where}: {exc}") from exc
-            hello = MAGIC + bytes(worker.address.tobytes())
-            reply_request = bootstrap.am_recv()
-            await _send_am(driver, bootstrap, hello, f"connecting to {where}")
-            await driver.wait(reply_request, None, f"connecting to {where}")
-            server_address = _parse_hello(reply_request.recv_buffer, description)
-            try:
-                endpoint = worker.create_endpoint_from_worker_address(
+                endpoint = client_worker.create_endpoint_from_worker_address(
                     lib.UCXAddress.create_from_buffer(server_address), error_handling
                 )
             except Exception as exc:
