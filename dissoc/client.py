@@ -139,6 +139,7 @@ class _Session:
         self.tasks: list[asyncio.Task[None]] = []
         self.stats = FetchStats()
         self.stream_done = False
+        self._flush_scheduled = False
         ordered = options.ordered_metadata
         self.ordered = meta_uri.scheme == "tcp" if ordered is None else ordered
         self.expected_meta = 0
@@ -160,12 +161,15 @@ class _Session:
 
     def _free_later(self, offsets: list[int]) -> None:
         self.to_free.extend(offsets)
-        if self.stream_done and self.data_conn is not None:
+        if not self._flush_scheduled and self.data_conn is not None:
+            # One flush for every release that happens before it runs (free_data messages are coalesced).
+            self._flush_scheduled = True
             task = asyncio.get_running_loop().create_task(self._flush_quietly())
             _background.add(task)
             task.add_done_callback(_background.discard)
 
     async def _flush_quietly(self) -> None:
+        self._flush_scheduled = False
         with contextlib.suppress(DissocError):
             await self.flush_frees()
 
@@ -430,8 +434,11 @@ async def stream_chunks(
                     break
                 ev = await session.next_event()
             await session.flush_frees()
+            batch = None  # hold no batch past the yield: zero-copy batches free their memory on release
+            del ev
             if chunk:
                 yield chunk
+                chunk = []
     finally:
         if stats is not None:
             stats.batches, stats.rows, stats.bytes = (
@@ -455,8 +462,11 @@ async def stream_batches(
     chunks = stream_chunks(uri, ticket, data_uri=data_uri, options=options, stats=stats, on_schema=on_schema)
     async with contextlib.aclosing(chunks):
         async for chunk in chunks:
-            for batch in chunk:
-                yield batch
+            chunk.reverse()
+            while chunk:
+                # Popped, so that a batch the consumer let go of is not kept alive here (zero-copy batches
+                # give their shared memory back when released).
+                yield chunk.pop()
 
 
 async def fetch_async(

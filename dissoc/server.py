@@ -16,8 +16,8 @@ from dissoc.data_server import DataServer
 from dissoc.datasets import Catalog, Dataset
 from dissoc.errors import DissocError
 from dissoc.memory.shm import ShmArena
-from dissoc.pair_memory import ServedArena
 from dissoc.metadata_server import CombinedServer, MetadataServer
+from dissoc.pair_memory import ServedArena
 from dissoc.protocol.ledger import Ledger
 from dissoc.serving import RoleServer, ServeOptions
 from dissoc.uri import DissocURI

@@ -150,7 +150,7 @@ async def stream_dataset(conn: Connection, role: Role, dataset: Dataset, options
                 if pending:
                     await conn.send_many(pending)
                     pending, pending_bytes = [], 0
-                pairs = await options.arena.place_wait(_split_body(metadata, body))
+                pairs = await _place(conn, options.arena, _split_body(metadata, body))
                 assert options.ledger is not None
                 options.ledger.record(conn, pairs)
                 await conn.send_tagged(make_body_tag(sent.seq, BODY_PAIRS), encode_pairs(pairs))
@@ -179,6 +179,29 @@ async def stream_dataset(conn: Connection, role: Role, dataset: Dataset, options
             conn, role, _error(stream, "stream_failed", f"serving {dataset.name!r} failed: {e}")
         )
         return stream.next_seq
+
+
+async def _place(conn: Connection, arena: Any, buffers: list[Any]) -> list[tuple[int, int]]:
+    """Place a batch in the arena, waiting for frees while it is full, but not past the client's departure
+    (a client that holds its batches and leaves, or a server closing, must not leave this task waiting)."""
+    placing = asyncio.ensure_future(arena.place_wait(buffers))
+    returned = False
+    try:
+        while True:
+            done, _ = await asyncio.wait({placing}, timeout=0.25)
+            if done:
+                pairs: list[tuple[int, int]] = placing.result()
+                returned = True
+                return pairs
+            if conn.closed:
+                raise TransportError(f"{conn.description}: closed while waiting for room in the arena")
+    finally:
+        if not placing.done():
+            placing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, DissocError):
+                await placing
+        if not returned and placing.done() and not placing.cancelled() and placing.exception() is None:
+            arena.release_many(offset for offset, _ in placing.result())  # placed, but nobody will list it
 
 
 async def _send_error(conn: Connection, role: Role, message: bytes) -> None:

@@ -147,6 +147,7 @@ class ServerThread:
         self._error: BaseException | None = None
         self.uri = ""
         self.data_uri = ""
+        self.server: Any = None
         self._thread = threading.Thread(target=self._run, name="e2e-server", daemon=True)
 
     def _run(self) -> None:
@@ -157,6 +158,7 @@ class ServerThread:
             self._stop = asyncio.Event()
             async with Server(self._datasets, **self._options) as server:
                 self.uri, self.data_uri = server.uri, server.data_uri
+                self.server = server
                 self._ready.set()
                 await self._stop.wait()
 
