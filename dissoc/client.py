@@ -335,7 +335,7 @@ class _Session:
         return batch
 
     def _decode_pairs(self, ev: MessageReady) -> pa.RecordBatch | None:
-        """Body type 1: read the listed ranges (copy, zero-copy or RMA, by the data URI), free what is done."""
+        """Body type 1: read the listed ranges (copy, zero-copy or RMA); free what is done."""
         if self.pairs is None:
             raise ProtocolError(
                 f"message {fmt_seq(ev.seq)}: address/length pairs, but the data URI names no memory for them"

@@ -227,8 +227,8 @@ class _UcxGet(PairReader):
                 continue
             if offset < 0 or offset + n > self.length:
                 raise ProtocolError(
-                    f"pairs: expected ranges inside the {self.length}-byte remote region, got offset {offset} "
-                    f"length {n}"
+                    f"pairs: expected ranges inside the {self.length}-byte remote region, "
+                    f"got offset {offset} length {n}"
                 )
             requests.append(self.rkey.get_nb(self.base + offset, dest[at : at + n]))
             out.append(whole.slice(at, n))
