@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -46,6 +47,13 @@ def _parser() -> argparse.ArgumentParser:
         "--memory", choices=["shm", "ucx", "cuda"], default=None, help="what pair addresses point at"
     )
     s.add_argument("--compression", choices=["lz4", "zstd"], default=None)
+    s.add_argument(
+        "--flight",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="also run an Arrow Flight control plane on this port (0 picks a free one)",
+    )
 
     g = sub.add_parser("get", help="fetch one stream; prints a JSON summary")
     g.add_argument("uri", help="metadata URI, e.g. tcp://HOST:PORT?want_data=N")
@@ -83,7 +91,15 @@ async def _serve(args: argparse.Namespace) -> int:
         body=args.body,
         memory=args.memory,
     )
-    async with server:
+    async with contextlib.AsyncExitStack() as running:
+        await running.enter_async_context(server)
+        flight_location: str | None = None
+        if args.flight is not None:
+            from dissoc.flight import FlightControlPlane
+
+            plane = FlightControlPlane(server, host=args.host, port=args.flight)
+            await running.enter_async_context(plane)
+            flight_location = plane.location
         # Handlers first: a script may signal the moment it reads the ready lines.
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -91,6 +107,8 @@ async def _serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         for name in datasets:
             line: dict[str, Any] = {"ticket": name, "uri": server.uri, "data_uri": server.data_uri}
+            if flight_location is not None:
+                line["flight"] = flight_location
             sys.stdout.write(json.dumps(line) + "\n")
         sys.stdout.flush()
         await stop.wait()

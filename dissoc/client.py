@@ -476,7 +476,17 @@ async def fetch_async(
     data_uri: str | DissocURI | None = None,
     options: ClientOptions | None = None,
 ) -> pa.Table:
-    """Fetch a whole stream as a ``pa.Table``."""
+    """Fetch a whole stream as a ``pa.Table``; ``uri`` may also be a Flight control plane (``grpc://``)."""
+    if isinstance(uri, str):
+        from dissoc.flight import fetch_via_flight_async, is_flight_location
+
+        if is_flight_location(uri):
+            if data_uri is not None:
+                raise DissocError(
+                    "data_uri does not apply to a Flight location (grpc://): the control plane gives each "
+                    "endpoint's URIs"
+                )
+            return await fetch_via_flight_async(uri, ticket, options=options)
     schema: list[pa.Schema] = []
     batches = [
         b

@@ -104,11 +104,11 @@ class Server:
         self._closed = asyncio.Event()
 
     def add(self, name: str, obj: Any, *, replace: bool = False) -> Dataset:
-        """Serve another dataset (at once, to new requests)."""
+        """Serve another dataset (at once, to new requests). Safe from any thread (the catalog locks)."""
         return self.catalog.add(name, obj, replace=replace)
 
     def remove(self, name: str) -> Dataset:
-        """Stop serving a dataset to new requests (streams already running finish)."""
+        """Stop serving a dataset to new requests (streams already running finish). Safe from any thread."""
         return self.catalog.remove(name)
 
     async def start(self) -> Self:
