@@ -56,7 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     g = sub.add_parser("get", help="fetch one stream; prints a JSON summary")
-    g.add_argument("uri", help="metadata URI, e.g. tcp://HOST:PORT?want_data=N")
+    g.add_argument(
+        "uri",
+        help="metadata URI, e.g. tcp://HOST:PORT?want_data=N, or a Flight control plane grpc://HOST:PORT",
+    )
     g.add_argument("ticket")
     g.add_argument("--data-uri", default=None, help="data URI when the servers are split")
     g.add_argument(
@@ -64,6 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--timeout", type=float, default=30.0)
     g.add_argument("--no-progress", action="store_true")
+    g.add_argument(
+        "--ucx-path",
+        choices=["auto", "listener", "address"],
+        default="auto",
+        help="how a ucx:// connection is made: through the listener, by the URI's worker address, or auto",
+    )
     return p
 
 
@@ -145,6 +154,16 @@ async def _get(args: argparse.Namespace) -> int:
     from dissoc.client import ClientOptions, FetchStats, stream_batches
 
     uri, data_uri = args.uri, args.data_uri
+    endpoints = [(uri, data_uri, args.ticket)]
+    from dissoc.flight import is_flight_location
+
+    if is_flight_location(uri):
+        from dissoc.flight import resolve
+
+        if data_uri is not None:
+            raise DissocError("--data-uri does not apply to a Flight location: it names each endpoint's URIs")
+        endpoints = await asyncio.to_thread(resolve, uri, args.ticket, timeout=args.timeout)
+    options = ClientOptions(timeout=args.timeout, ucx_path=args.ucx_path)
     stats = FetchStats()
     progress = _Progress(not args.no_progress)
     started = time.perf_counter()
@@ -152,22 +171,20 @@ async def _get(args: argparse.Namespace) -> int:
     schema_holder: list[Any] = []
     nbytes = 0
     count = 0
+    rows = 0
     try:
-        async for batch in stream_batches(
-            uri,
-            args.ticket,
-            data_uri=data_uri,
-            options=ClientOptions(timeout=args.timeout),
-            stats=stats,
-            on_schema=schema_holder.append,
-        ):
-            nbytes += batch.nbytes
-            count += 1
-            if args.output is not None:
-                if writer is None:
-                    writer = _open_writer(args.output, batch.schema)
-                writer.write_batch(batch)
-            progress.update(count, nbytes, started)
+        for uri, data_uri, ticket in endpoints:
+            async for batch in stream_batches(
+                uri, ticket, data_uri=data_uri, options=options, stats=stats, on_schema=schema_holder.append
+            ):
+                nbytes += batch.nbytes
+                count += 1
+                if args.output is not None:
+                    if writer is None:
+                        writer = _open_writer(args.output, batch.schema)
+                    writer.write_batch(batch)
+                progress.update(count, nbytes, started)
+            rows += stats.rows
         if args.output is not None and writer is None and schema_holder:
             writer = _open_writer(args.output, schema_holder[0])
     finally:
@@ -176,8 +193,8 @@ async def _get(args: argparse.Namespace) -> int:
         progress.done()
     seconds = time.perf_counter() - started
     summary: dict[str, Any] = {
-        "rows": stats.rows,
-        "batches": stats.batches,
+        "rows": rows,
+        "batches": count,
         "bytes": nbytes,
         "seconds": round(seconds, 6),
         "gb_per_s": round(nbytes / seconds / 1e9, 3) if seconds > 0 else None,

@@ -4,6 +4,7 @@ gives exit 0 with nothing else on stdout."""
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -106,3 +107,28 @@ def test_flight_port_must_be_an_integer(files: dict) -> None:
     assert result.returncode == 2
     assert "--flight" in result.stderr
     assert result.stdout == ""
+
+
+def test_get_through_a_flight_location(files: dict, tmp_path: Path) -> None:
+    path, table = files["trips"]
+    with cli_server(str(path), "--flight", "0", "--split", count=1) as (_proc, lines):
+        out = tmp_path / "via-flight.arrow"
+        got = subprocess.run(
+            [PYTHON, "-m", "dissoc.cli", "get", lines[0]["flight"], "trips", "-o", str(out), "--no-progress"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
+        assert got.returncode == 0, got.stderr
+        summary = json.loads(got.stdout)
+        assert (summary["rows"], summary["batches"]) == (table.num_rows, 3)
+        assert pa.ipc.open_file(out).read_all().equals(table)
+        refused = subprocess.run(
+            [PYTHON, "-m", "dissoc.cli", "get", lines[0]["flight"], "trips", "--data-uri", lines[0]["uri"]],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
+        assert refused.returncode == 1 and "data-uri" in refused.stderr and "Traceback" not in refused.stderr
