@@ -6,7 +6,12 @@ whatever they are compared with:
 - ``numpy copy``: one copy of the payload bytes with ``np.copyto`` (the memory-bandwidth ceiling);
 - ``flight do_get``: a pyarrow.flight server in a subprocess, read with ``FlightClient.do_get``;
 - ``ipc stream socket``: a subprocess writes a pyarrow IPC stream to a TCP socket, read with
-  ``pa.ipc.open_stream``.
+  ``pa.ipc.open_stream``;
+- ``ucxx raw``: a minimal ucxx sender subprocess sends each batch's bytes (cut from the memory-mapped file) as
+  one tagged message to this process, worker-address endpoints, polling progress (``_ucx_anchor.py``);
+  ``ucxx raw blocking`` waits on epoll instead of spinning (as dissoc does; it suffers less when other
+  processes compete for the CPUs); ``ucxx raw anon-mem`` sends the same sizes from anonymous (numpy,
+  huge-page) memory instead of the file's 4 KiB pages (the best case for UCX's CMA copy).
 
 Every server reads the same Arrow IPC file through ``pa.memory_map`` (zero-copy) and writes it with C++ loops
 (``flight.RecordBatchStream`` over the table, ``RecordBatchStreamWriter.write_table``), so no server pays a
@@ -89,14 +94,16 @@ class Workload:
         )
 
 
-#: Full-size workloads: ~1 GiB in 16 MiB batches, and 100k batches of 1k rows.
+#: Full-size workloads: 1 GiB in 16 MiB batches, 1 GiB in 64 MiB batches, and 100k batches of 1k rows.
 WORKLOADS: dict[str, Workload] = {
     "large": Workload("large", 2, 1 << 20, 64),
+    "large64": Workload("large64", 2, 1 << 22, 16),
     "small": Workload("small", 2, 1024, 100_000),
 }
-#: ``--quick`` workloads: 256 MiB, and 10k small batches.
+#: ``--quick`` workloads: 256 MiB in 16 MiB and in 64 MiB batches, and 10k small batches.
 QUICK_WORKLOADS: dict[str, Workload] = {
     "large": Workload("large", 2, 1 << 20, 16),
+    "large64": Workload("large64", 2, 1 << 22, 4),
     "small": Workload("small", 2, 1024, 10_000),
 }
 
@@ -468,11 +475,36 @@ def ipc_stream_socket(dataset: Dataset, stack: contextlib.ExitStack) -> Transfer
     return transfer
 
 
+def _ucx_anchor_module() -> Any:
+    """``_ucx_anchor``, imported the way this module was (as ``benchmarks._ucx_anchor`` or top-level)."""
+    import importlib
+
+    return importlib.import_module(f"{__package__}._ucx_anchor" if __package__ else "_ucx_anchor")
+
+
+def ucxx_raw(dataset: Dataset, stack: contextlib.ExitStack) -> Transfer:
+    """Raw ucxx tagged sends of each batch's bytes, cut from the memory-mapped file (``_ucx_anchor.py``)."""
+    return _ucx_anchor_module().ucxx_raw(dataset, stack)  # type: ignore[no-any-return]
+
+
+def ucxx_raw_blocking(dataset: Dataset, stack: contextlib.ExitStack) -> Transfer:
+    """The same, each side waiting on its worker's epoll descriptor instead of spinning (as dissoc does)."""
+    return _ucx_anchor_module().ucxx_raw(dataset, stack, progress="blocking")  # type: ignore[no-any-return]
+
+
+def ucxx_raw_anon(dataset: Dataset, stack: contextlib.ExitStack) -> Transfer:
+    """The same, sent from anonymous memory (numpy, huge pages) instead of the file mapping."""
+    return _ucx_anchor_module().ucxx_raw(dataset, stack, source="anon")  # type: ignore[no-any-return]
+
+
 #: The anchors in table order: (slug, label, path).
 ANCHORS: list[tuple[str, str, PathFactory]] = [
     ("numpy-copy", "numpy copy", numpy_copy),
     ("flight-do-get", "flight do_get", flight_do_get),
     ("ipc-stream-socket", "ipc stream socket", ipc_stream_socket),
+    ("ucxx-raw", "ucxx raw", ucxx_raw),
+    ("ucxx-raw-blocking", "ucxx raw blocking", ucxx_raw_blocking),
+    ("ucxx-raw-anon", "ucxx raw anon-mem", ucxx_raw_anon),
 ]
 
 

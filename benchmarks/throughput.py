@@ -7,20 +7,41 @@ Paths (rows of the table), all serving one Arrow IPC file written beforehand and
 - ``ipc-stream-socket``   subprocess writes a pyarrow IPC stream to a TCP socket, ``pa.ipc.open_stream``
                           reads it;
 - ``dissoc-tcp-combined`` ``python -m dissoc.cli serve --transport tcp`` subprocess, dissoc client;
-- ``dissoc-tcp-split``    the same with ``--split`` (metadata and bodies on separate connections).
+- ``dissoc-tcp-split``    the same with ``--split`` (metadata and bodies on separate connections);
 - ``dissoc-tcp-pairs-shm`` combined, with bodies as address/length pairs into the server's shared memory
-  (the client copies each batch out of the segment and frees it).
+  (the client copies each batch out of the segment and frees it);
+- ``dissoc-tcp-pairs-shm-zc`` the same read zero-copy (``ClientOptions(zero_copy=True)``: batches over the
+  mapped segment, freed when released);
+- ``dissoc-ucx-listener``  ``--transport ucx`` (packed bodies), the client connecting through the listener
+  (``ClientOptions(ucx_path="listener")``: TCP bootstrap, then per-connection workers joined by address);
+- ``dissoc-ucx-address``   the same, connecting straight to the server's worker address
+  (``ucx_path="address"``);
+- ``dissoc-ucx-pairs-rma`` ``--transport ucx --body pairs --memory ucx``: the client reads each batch's
+  buffers with UCX RMA gets from the server's registered arena.
 
-Workloads: ``large`` (1 GiB in 16 MiB batches; ``--quick``: 256 MiB) and ``small`` (100k batches of 1k rows,
-16 KiB each; ``--quick``: 10k). Each path runs one untimed warm-up and ``--repeat`` timed transfers; the table
-shows the median GB/s (payload = sum of ``batch.nbytes``, the same for every path), min, max, median
-batches/s, and the ratios of the medians to the anchors of the same workload (spec/FACTS.md section 6).
+Anchors (``_anchors.py``): ``numpy-copy`` (one ``np.copyto`` per batch, the memory-bandwidth ceiling),
+``flight-do-get``, ``ipc-stream-socket`` and ``ucxx-raw``: a minimal ucxx sender subprocess sending each
+batch's bytes (cut from the same memory-mapped file) as one tagged message, worker-address endpoints without
+peer-failure handling (so UCX uses shared memory: CMA), polling progress (``_ucx_anchor.py``);
+``ucxx-raw-blocking`` is the same waiting on epoll (as dissoc does; spinning suffers on a busy machine) and
+``ucxx-raw-anon`` sends the same sizes from anonymous (huge-page) memory, the best case for CMA.
+
+Workloads: ``large`` (1 GiB in 16 MiB batches; ``--quick``: 256 MiB), ``large64`` (1 GiB in 64 MiB batches;
+``--quick``: 256 MiB) and ``small`` (100k batches of 1k rows, 16 KiB each; ``--quick``: 10k). Each path runs
+one untimed warm-up and ``--repeat`` timed transfers; the table shows the median GB/s (payload = sum of
+``batch.nbytes``, the same for every path), min, max, median batches/s, and the ratios of the medians to the
+anchors of the same workload (spec/FACTS.md section 6). Below it, the targets: dissoc over UCX on one host
+>= 0.80x raw ucxx (the faster of ``ucxx-raw`` and ``ucxx-raw-blocking``) and >= 4x Flight on the 16 and
+64 MiB workloads. A row that fails prints its error and the run goes on.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/throughput.py --quick                 # ~5-10 s
-    .venv/bin/python benchmarks/throughput.py                         # full size, ~30-60 s
+    .venv/bin/python benchmarks/throughput.py --quick --workload large,large64   # ~1 min
+    .venv/bin/python benchmarks/throughput.py --quick                 # + small batches, ~2-3 min
+    .venv/bin/python benchmarks/throughput.py --workload large,large64   # 1 GiB each, ~3-5 min
+    .venv/bin/python benchmarks/throughput.py                         # + 100k small batches: much longer
     .venv/bin/python benchmarks/throughput.py --only anchors --workload large --json
+    .venv/bin/python benchmarks/throughput.py --only ucxx,flight,dissoc-ucx --workload large64
 
 The dissoc rows say "not available (...)" while ``dissoc.cli`` / the client do not exist yet.
 """
@@ -57,8 +78,16 @@ PathFactory = anchors.PathFactory
 Transfer = anchors.Transfer
 Unavailable = anchors.Unavailable
 REPO_ROOT = anchors.REPO_ROOT
-ANCHOR_LABELS = ("flight do_get", "ipc stream socket", "numpy copy")  # the ratio columns, in order
+#: The ratio columns, in order (an anchor that is not in the run shows "-").
+ANCHOR_LABELS = ("ucxx raw", "flight do_get", "ipc stream socket", "numpy copy")
 SERVER_READY_TIMEOUT = 60.0
+#: The targets of dissoc over UCX on one host (the issue): at least these ratios to the anchors, on these
+#: workloads, for the rows whose label starts with ``TARGET_PREFIX``. The ucxx target is checked against
+#: the faster of the raw ucxx rows that send the same bytes (``UCXX_SAME_BYTES``: polling and blocking).
+TARGETS: dict[str, float] = {"ucxx raw": 0.80, "flight do_get": 4.0}
+TARGET_WORKLOADS = ("large", "large64")
+TARGET_PREFIX = "dissoc ucx"
+UCXX_SAME_BYTES = ("ucxx raw", "ucxx raw blocking")
 
 # ----------------------------------------------------------------------------------------------------------
 # dissoc paths
@@ -71,6 +100,8 @@ _API_USED: dict[str, str] = {}
 DISSOC_SERVE: list[str] = []
 
 DissocReader = Callable[[str, str, "str | None"], Consumed]
+#: ``dissoc.client.ClientOptions`` fields of a path (empty: the client's defaults, no options passed).
+ClientFields = dict[str, Any]
 
 
 def _closing(stream: Any) -> contextlib.AbstractContextManager[Any]:
@@ -81,8 +112,13 @@ def _closing(stream: Any) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext(stream)
 
 
-def _dissoc_reader(stack: contextlib.ExitStack) -> tuple[DissocReader, str]:
-    """The best dissoc client API there is: ``client.open_stream``, ``client.stream_batches``, ``fetch``."""
+def _dissoc_reader(
+    stack: contextlib.ExitStack, fields: ClientFields | None = None
+) -> tuple[DissocReader, str]:
+    """The best dissoc client API there is: ``client.open_stream``, ``client.stream_batches``, ``fetch``.
+
+    With ``fields``, each call passes ``options=ClientOptions(**fields)``.
+    """
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
     try:
@@ -98,10 +134,20 @@ def _dissoc_reader(stack: contextlib.ExitStack) -> tuple[DissocReader, str]:
     except ImportError as exc:
         raise Unavailable(f"import dissoc.client: {exc}") from None
 
+    extra: dict[str, Any] = {}
+    if fields:
+        options_type = getattr(client, "ClientOptions", None)
+        if options_type is None:
+            raise Unavailable("dissoc.client.ClientOptions does not exist yet")
+        try:
+            extra = {"options": options_type(**fields)}
+        except TypeError as exc:
+            raise Unavailable(f"ClientOptions({fields}): {exc}") from None
+
     if client is not None and hasattr(client, "open_stream"):
 
         def read_sync(uri: str, ticket: str, data_uri: str | None) -> Consumed:
-            with _closing(client.open_stream(uri, ticket, data_uri=data_uri)) as batches:
+            with _closing(client.open_stream(uri, ticket, data_uri=data_uri, **extra)) as batches:
                 return anchors.consume(batches)
 
         return read_sync, "dissoc.client.open_stream"
@@ -113,7 +159,7 @@ def _dissoc_reader(stack: contextlib.ExitStack) -> tuple[DissocReader, str]:
 
         async def consume_async(uri: str, ticket: str, data_uri: str | None) -> Consumed:
             count = rows = 0
-            async for batch in client.stream_batches(uri, ticket, data_uri=data_uri):
+            async for batch in client.stream_batches(uri, ticket, data_uri=data_uri, **extra):
                 count += 1
                 rows += batch.num_rows
             return Consumed(count, rows)
@@ -127,7 +173,7 @@ def _dissoc_reader(stack: contextlib.ExitStack) -> tuple[DissocReader, str]:
     if fetch is not None:
 
         def read_table(uri: str, ticket: str, data_uri: str | None) -> Consumed:
-            table = fetch(uri, ticket, data_uri=data_uri)
+            table = fetch(uri, ticket, data_uri=data_uri, **extra)
             if inspect.isawaitable(table):
                 table = loop.run_until_complete(table)
             return anchors.consume(table.to_batches())
@@ -139,6 +185,19 @@ def _dissoc_reader(stack: contextlib.ExitStack) -> tuple[DissocReader, str]:
 
 def dissoc_tcp(split: bool, pairs: bool = False) -> PathFactory:
     label = "dissoc tcp pairs-shm" if pairs else f"dissoc tcp {'split' if split else 'combined'}"
+    return dissoc_path(label, "tcp", split=split, memory="shm" if pairs else None)
+
+
+def dissoc_path(
+    label: str,
+    transport: str,
+    *,
+    split: bool = False,
+    memory: str | None = None,
+    fields: ClientFields | None = None,
+) -> PathFactory:
+    """A dissoc server subprocess (``--transport``; pairs in ``memory`` when given) read by the client with
+    ``ClientOptions(**fields)``."""
 
     def factory(dataset: Dataset, stack: contextlib.ExitStack) -> Transfer:
         if str(REPO_ROOT) not in sys.path:
@@ -151,9 +210,12 @@ def dissoc_tcp(split: bool, pairs: bool = False) -> PathFactory:
                 raise Unavailable(f"dissoc: {exc}") from None
             if not has_cli:
                 raise Unavailable("dissoc.cli does not exist yet")
-        read, api = _dissoc_reader(stack)
-        argv = [*serve, "--transport", "tcp", "--host", anchors.HOST, "--port", "0"]
-        argv += [*(["--split"] if split else []), *(["--body", "pairs", "--memory", "shm"] if pairs else [])]
+        read, api = _dissoc_reader(stack, fields)
+        argv = [*serve, "--transport", transport, "--host", anchors.HOST, "--port", "0"]
+        argv += [
+            *(["--split"] if split else []),
+            *(["--body", "pairs", "--memory", memory] if memory else []),
+        ]
         argv += [str(dataset.path)]
         lines = anchors.start_server(stack, argv, timeout=SERVER_READY_TIMEOUT)
         info = next((line for line in lines if line.get("ticket") == dataset.ticket), lines[0])
@@ -165,7 +227,7 @@ def dissoc_tcp(split: bool, pairs: bool = False) -> PathFactory:
         data_uri = None if data_uri in (None, uri) else str(data_uri)
         if split and data_uri is None:
             raise Unavailable(f"dissoc serve --split printed no separate data_uri: {info}")
-        _API_USED[label] = api
+        _API_USED[label] = api + (f"({', '.join(f'{k}={v!r}' for k, v in fields.items())})" if fields else "")
 
         def transfer() -> Consumed:
             return read(uri, ticket, data_uri)
@@ -175,12 +237,26 @@ def dissoc_tcp(split: bool, pairs: bool = False) -> PathFactory:
     return factory
 
 
+def _dissoc_row(slug: str, label: str, transport: str, **kwargs: Any) -> tuple[str, str, PathFactory]:
+    return slug, label, dissoc_path(label, transport, **kwargs)
+
+
 #: Every path, in table order: (slug for --only, label, path). Later benchmarks append rows here.
 PATHS: list[tuple[str, str, PathFactory]] = [
     *anchors.ANCHORS,
     ("dissoc-tcp-combined", "dissoc tcp combined", dissoc_tcp(split=False)),
     ("dissoc-tcp-split", "dissoc tcp split", dissoc_tcp(split=True)),
     ("dissoc-tcp-pairs-shm", "dissoc tcp pairs-shm", dissoc_tcp(split=False, pairs=True)),
+    _dissoc_row(
+        "dissoc-tcp-pairs-shm-zc",
+        "dissoc tcp pairs-shm zero-copy",
+        "tcp",
+        memory="shm",
+        fields={"zero_copy": True},
+    ),
+    _dissoc_row("dissoc-ucx-listener", "dissoc ucx listener", "ucx", fields={"ucx_path": "listener"}),
+    _dissoc_row("dissoc-ucx-address", "dissoc ucx address", "ucx", fields={"ucx_path": "address"}),
+    _dissoc_row("dissoc-ucx-pairs-rma", "dissoc ucx pairs-rma", "ucx", memory="ucx"),
 ]
 
 
@@ -240,6 +316,60 @@ def format_table(results: Sequence[Measurement]) -> str:
     return "\n".join(out)
 
 
+def check_targets(results: Sequence[Measurement]) -> list[dict[str, Any]]:
+    """For each dissoc-over-UCX row on a target workload: its ratio to each target anchor, and whether it
+    meets the target (None where the row or the anchor has no figure)."""
+    checks: list[dict[str, Any]] = []
+    for result in results:
+        if not result.path.startswith(TARGET_PREFIX) or result.workload not in TARGET_WORKLOADS:
+            continue
+        for label, target in TARGETS.items():
+            names = UCXX_SAME_BYTES if label == "ucxx raw" else (label,)
+            candidates = [r for r in results if r.path in names and r.workload == result.workload and r.ok]
+            anchor = max(candidates, key=lambda r: r.median_gbps, default=None)
+            ratio = result.median_gbps / anchor.median_gbps if anchor is not None and result.ok else None
+            checks.append(
+                {
+                    "path": result.path,
+                    "workload": result.workload,
+                    "anchor": anchor.path if anchor is not None else label,
+                    "anchor_GBps": round(anchor.median_gbps, 4) if anchor is not None else None,
+                    "target": target,
+                    "ratio": None if ratio is None else round(ratio, 4),
+                    "met": None if ratio is None else ratio >= target,
+                    "error": result.error,
+                }
+            )
+    return checks
+
+
+def format_targets(checks: Sequence[dict[str, Any]]) -> str:
+    if not checks:
+        return ""
+    goals = " and ".join(f">= {target:g}x {label}" for label, target in TARGETS.items())
+    out = [
+        f"targets ({TARGET_PREFIX}* rows, {'/'.join(TARGET_WORKLOADS)} workloads): {goals}",
+        f"  (the ucxx anchor is the faster of {' / '.join(UCXX_SAME_BYTES)}, both sending the same bytes)",
+    ]
+    width = max(len(c["path"]) for c in checks)
+    rows: dict[tuple[str, str], list[str]] = {}
+    for c in checks:
+        name = (
+            "flight" if c["anchor"].startswith("flight") else c["anchor"].replace("ucxx raw", "ucxx").strip()
+        )
+        if c["ratio"] is None:
+            cell = f"{name} -"
+        else:
+            verdict = "met" if c["met"] else "MISSED"
+            cell = f"{c['ratio']:.2f}x {name} (>= {c['target']:g}x: {verdict})"
+        rows.setdefault((c["path"], c["workload"]), []).append(cell)
+    cell_width = max(len(cell) for cells in rows.values() for cell in cells)
+    for (path, workload), cells in rows.items():
+        text = "   ".join(f"{cell:<{cell_width}}" for cell in cells).rstrip()
+        out.append(f"  {path:<{width}}  {workload:<8}  {text}")
+    return "\n".join(out)
+
+
 def _machine() -> dict[str, Any]:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {
@@ -262,11 +392,14 @@ def _select(only: str | None) -> list[tuple[str, str, PathFactory]]:
     if not only:
         return list(PATHS)
     chosen: set[str] = set()
+    slugs_all = {slug for slug, _, _ in PATHS}
     for selector in (s.strip().lower().replace(" ", "-").replace("_", "-") for s in only.split(",")):
         if not selector:
             continue
         if selector == "anchors":
             matched = {slug for slug, _, _ in anchors.ANCHORS}
+        elif selector in slugs_all:  # an exact slug is that path only, even if it prefixes others
+            matched = {selector}
         else:
             matched = {slug for slug, _, _ in PATHS if slug.startswith(selector)}
         if not matched:
@@ -317,12 +450,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Throughput of Arrow data between two processes over loopback, against anchors.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="paths: " + ", ".join(slug for slug, _, _ in PATHS) + " ('anchors' = the first three)",
+        epilog="paths: "
+        + ", ".join(slug for slug, _, _ in PATHS)
+        + f" ('anchors' = the first {len(anchors.ANCHORS)}). Workloads: "
+        + "; ".join(w.describe() for w in anchors.WORKLOADS.values()),
     )
-    parser.add_argument("--quick", action="store_true", help="256 MiB large workload, 10k small batches")
+    parser.add_argument(
+        "--quick", action="store_true", help="256 MiB large and large64 workloads, 10k small batches"
+    )
     parser.add_argument("--repeat", type=int, default=5, help="timed transfers per path (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed transfers first (default 1)")
-    parser.add_argument("--workload", choices=["large", "small", "both"], default="both")
+    parser.add_argument(
+        "--workload",
+        default="all",
+        metavar="NAME[,NAME]",
+        help=f"{', '.join(anchors.WORKLOADS)}, 'both' (large,small) or 'all' (default)",
+    )
+    parser.add_argument(
+        "--ucxx-window",
+        type=int,
+        default=1,
+        metavar="N",
+        help="sends/receives the raw ucxx anchor keeps outstanding per side (default 1: serial)",
+    )
+    parser.add_argument(
+        "--ucxx-progress",
+        choices=["poll", "blocking"],
+        default="poll",
+        help="the raw ucxx anchor's progress: spin (default; best on an idle machine) or wait on epoll",
+    )
     parser.add_argument("--only", metavar="PATH[,PATH]", help="paths (slugs, prefixes, 'anchors')")
     parser.add_argument("--json", action="store_true", help="JSON on stdout (the table goes to stderr)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per transfer before giving up")
@@ -335,11 +491,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.dissoc_serve:
         DISSOC_SERVE[:] = args.dissoc_serve.split()
-    if args.repeat < 1 or args.warmup < 0:
-        parser.error("--repeat must be >= 1 and --warmup >= 0")
+    if args.repeat < 1 or args.warmup < 0 or args.ucxx_window < 1:
+        parser.error("--repeat and --ucxx-window must be >= 1 and --warmup >= 0")
+    ucx_anchor = anchors._ucx_anchor_module()
+    ucx_anchor.WINDOW, ucx_anchor.PROGRESS = args.ucxx_window, args.ucxx_progress
 
     table = anchors.QUICK_WORKLOADS if args.quick else anchors.WORKLOADS
-    workloads = [table[name] for name in (["large", "small"] if args.workload == "both" else [args.workload])]
+    names: list[str] = []
+    for name in (n.strip() for n in args.workload.split(",")):
+        expanded = {"both": ["large", "small"], "all": list(table)}.get(name, [name])
+        for each in expanded:
+            if each not in table:
+                parser.error(f"--workload: unknown {each!r} (workloads: {', '.join(table)}, both, all)")
+            if each not in names:
+                names.append(each)
+    workloads = [table[name] for name in names]
     paths = _select(args.only)
     tmpdir = args.tmpdir or anchors.default_tmpdir(max(w.payload_bytes for w in workloads))
 
@@ -373,7 +539,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         interrupted = True
         _progress("# interrupted: partial results")
 
+    checks = check_targets(results)
     text = format_table(results)
+    if checks:
+        text += "\n\n" + format_targets(checks)
     if args.json:
         print(text, file=sys.stderr)
         report = {
@@ -381,11 +550,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "quick": args.quick,
             "repeat": args.repeat,
             "warmup": args.warmup,
+            "ucxx_window": args.ucxx_window,
+            "ucxx_progress": args.ucxx_progress,
             "workloads": {w.name: w.describe() for w in workloads},
             "results": [
                 {**r.to_json(), "ratios": {k: v and round(v, 4) for k, v in _ratios(r, results).items()}}
                 for r in results
             ],
+            "targets": checks,
         }
         json.dump(report, sys.stdout, indent=2)
         print()
