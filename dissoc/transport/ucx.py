@@ -130,8 +130,11 @@ def _ucx_context() -> Any:
     if _context is None:
         lib = _lib()
         features = (lib.Feature.TAG, lib.Feature.AM, lib.Feature.WAKEUP, lib.Feature.RMA)
+        # Without cma: UCX aborts a process whose cma read fails because the peer died mid-transfer (the data
+        # endpoints have no peer-failure handling); shared memory still carries the data. UCX_TLS overrides.
+        config = {} if "UCX_TLS" in os.environ else {"TLS": "^cma"}
         try:
-            _context = lib.UCXContext({}, features)
+            _context = lib.UCXContext(config, features)
         except Exception as exc:
             raise TransportError(f"cannot create a UCX context: {exc}") from exc
     return _context
@@ -693,11 +696,31 @@ def _alive(endpoint: Any) -> bool:
 # ------------------------------------------------------------------------------------------------ handshake
 
 
+_own_address_header: bytes | None = None
+
+
+def _address_header() -> bytes:
+    """The first byte of this process's UCX worker addresses (format version and flags)."""
+    global _own_address_header
+    if _own_address_header is None:
+        worker = _lib().UCXWorker(_ucx_context())
+        _own_address_header = bytes(worker.address.tobytes())[:1]
+    return _own_address_header
+
+
 def _parse_hello(message: Any, description: str) -> bytes:
     data = bytes(memoryview(message).cast("B")) if message is not None else b""
     if not data.startswith(MAGIC) or len(data) == len(MAGIC):
         raise TransportError(f"{description}: the peer is not a dissoc ucx endpoint (bad handshake)")
-    return data[len(MAGIC) :]
+    address = data[len(MAGIC) :]
+    # UCX checks an address's format with assertions that abort the process: refuse one whose header is not
+    # the one this UCX writes before handing it over (deeper corruption is UCX's to detect).
+    if address[:1] != _address_header() or len(address) < 16:
+        raise TransportError(
+            f"{description}: expected a UCX worker address of this UCX version in the handshake, got "
+            f"{len(address)} bytes starting {address[:8].hex()}"
+        )
+    return address
 
 
 async def _recv_am(driver: _Driver, endpoint: Any, what: str) -> Any:
