@@ -106,6 +106,8 @@ _RELEASE_WAIT = 1.0
 _MAX_ROUNDS = 64
 
 _lib_module: Any = None
+#: Outstanding requests of closed connections, with their buffers and worker (see _Driver.close).
+_ABANDONED: list[tuple[Any, Any]] = []
 _context: Any = None
 
 
@@ -184,6 +186,10 @@ class _Driver:
         self._guard: asyncio.TimerHandle | None = None
         self._closed = False
         self.busy: Callable[[], bool] = lambda: False
+        #: True while the owner paused reading: the worker is then not progressed (unless a send of ours
+        #: waits), so what the peer sends stays in the transport and the peer's sends do not complete.
+        self.held: Callable[[], bool] = lambda: False
+        self._watching = True
         try:
             worker.init_blocking_progress_mode()
             self._fd: int = worker.epoll_file_descriptor
@@ -212,6 +218,17 @@ class _Driver:
     def run(self) -> None:
         if self._closed:
             return
+        if self.held() and not self._pending:
+            # Reading is paused: progressing would move eager messages from the transport into UCX's
+            # unexpected queue (unbounded memory, and the sender's sends complete). Leave them where they
+            # are, so that the sender waits, and stop watching the descriptor until reading resumes.
+            if self._watching:
+                self.loop.remove_reader(self._fd)
+                self._watching = False
+            return
+        if not self._watching:
+            self.loop.add_reader(self._fd, self.run)
+            self._watching = True
         worker = self.worker
         try:
             for _ in range(_MAX_ROUNDS):
@@ -291,6 +308,10 @@ class _Driver:
         with contextlib.suppress(Exception):
             self.worker.cancel_inflight_requests(0, 1)
         self.fail_pending(TransportError(f"{self.description}: the connection is closed"))
+        # Requests UCX has not completed may still use their buffers: keep those (and the worker) alive
+        # until they complete, checked whenever a driver closes.
+        _ABANDONED[:] = [(p, w) for p, w in _ABANDONED if not p.request.completed]
+        _ABANDONED.extend((p, self.worker) for p in self._pending if not p.request.completed)
 
 
 class _TaggedRecv:
@@ -347,6 +368,7 @@ class UcxConnection(Connection):
         driver.on_progress = self._on_progress
         driver.on_error = self._teardown
         driver.busy = self._busy
+        driver.held = lambda: self._paused_by_owner and not self._closing and not self._closed
         try:
             bootstrap.set_close_callback(self._on_bootstrap_closed)
         except Exception as exc:
@@ -632,6 +654,10 @@ class UcxConnection(Connection):
         driver.fail_pending(TransportError(f"{self._description}: {exc}"))
         with contextlib.suppress(Exception):
             self._bootstrap.remove_close_callback()
+        # A receive UCX has started keeps writing into its buffer until it completes: hand each one to the
+        # driver, which keeps the buffer alive until then (dropping it here let UCX write into freed memory).
+        for item in self._tagged:
+            driver._pending.append(_Pending(item.request, (item.buffer, item.view), None))
         self._tagged.clear()
         self._am_queue.clear()
         self._claimed.clear()
@@ -696,16 +722,14 @@ def _alive(endpoint: Any) -> bool:
 # ------------------------------------------------------------------------------------------------ handshake
 
 
-_own_address_header: bytes | None = None
+#: Worker-address format versions this UCX reads (``UCP_OBJECT_VERSION_V1``/``V2``, the low 4 bits of the
+#: first byte); UCX aborts the process, through an assertion, on any other.
+_ADDRESS_VERSIONS = (0, 1)
 
 
-def _address_header() -> bytes:
-    """The first byte of this process's UCX worker addresses (format version and flags)."""
-    global _own_address_header
-    if _own_address_header is None:
-        worker = _lib().UCXWorker(_ucx_context())
-        _own_address_header = bytes(worker.address.tobytes())[:1]
-    return _own_address_header
+def _plausible_address(address: bytes) -> bool:
+    """Whether ``address`` may be handed to UCX (deeper corruption is UCX's to detect)."""
+    return len(address) >= 16 and address[0] & 0x0F in _ADDRESS_VERSIONS
 
 
 def _parse_hello(message: Any, description: str) -> bytes:
@@ -713,9 +737,7 @@ def _parse_hello(message: Any, description: str) -> bytes:
     if not data.startswith(MAGIC) or len(data) == len(MAGIC):
         raise TransportError(f"{description}: the peer is not a dissoc ucx endpoint (bad handshake)")
     address = data[len(MAGIC) :]
-    # UCX checks an address's format with assertions that abort the process: refuse one whose header is not
-    # the one this UCX writes before handing it over (deeper corruption is UCX's to detect).
-    if address[:1] != _address_header() or len(address) < 16:
+    if not _plausible_address(address):
         raise TransportError(
             f"{description}: expected a UCX worker address of this UCX version in the handshake, got "
             f"{len(address)} bytes starting {address[:8].hex()}"
@@ -1066,6 +1088,12 @@ async def connect_ucx(
             raise TransportError(f"ucx worker address: expected base64, got {worker[:40]!r}: {exc}") from exc
     if path == "address" and not worker:
         raise TransportError("ucx path 'address' needs the server's worker address (the URI's 'worker')")
+    if worker and not _plausible_address(worker):
+        # UCX asserts (aborts the process) on an address format it does not know: check before handing it over
+        raise TransportError(
+            f"ucx://{host}:{port}: the URI's 'worker' is not a UCX worker address of this UCX version "
+            f"({len(worker)} bytes starting {worker[:8].hex()})"
+        )
     use_address = bool(worker) and (path == "address" or (path == "auto" and _is_local_host(host)))
     lib = _lib()
     loop = asyncio.get_running_loop()
