@@ -319,6 +319,45 @@ def measure(
     return result
 
 
+def run_paths(
+    paths: Iterable[tuple[str, str, Callable[[Dataset, contextlib.ExitStack], Transfer]]],
+    workloads: Iterable[Workload],
+    *,
+    repeat: int,
+    warmup: int,
+    timeout: float | None,
+    tmpdir: str | None,
+    results: list[Measurement],
+    progress: Callable[[str], None],
+    note: Callable[[str], str | None] | None = None,
+    prefix: str = "dissoc-bench-",
+) -> None:
+    """Measure every path on every workload (a dataset file written per workload), appending to ``results``
+    as it goes; ``note(label)``, asked after each one, gives its note when the measurement left none."""
+    paths = list(paths)
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=tmpdir) as directory:
+        for workload in workloads:
+            progress(f"# writing {workload.describe()}")
+            dataset = write_dataset(Path(directory), workload)
+            try:
+                for _slug, label, factory in paths:
+                    progress(f"  {label} / {workload.name} ...")
+                    result = measure(label, dataset, factory, repeat=repeat, warmup=warmup, timeout=timeout)
+                    if note is not None and not result.note:
+                        result.note = note(label) or result.note
+                    results.append(result)
+                    if result.ok:
+                        progress(
+                            f"    {result.median_gbps:.2f} GB/s median "
+                            f"({', '.join(f'{g:.2f}' for g in result.gbps)}), "
+                            f"{result.median_batches_per_s:,.0f} batches/s"
+                        )
+                    else:
+                        progress(f"    {result.error}")
+            finally:
+                dataset.path.unlink(missing_ok=True)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Server subprocesses
 

@@ -37,7 +37,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 try:
@@ -225,27 +224,17 @@ def run(
     progress: Callable[[str], None] = _progress,
 ) -> None:
     """Measure every path on every workload, appending to ``results`` as it goes."""
-    with tempfile.TemporaryDirectory(prefix="dissoc-flight-bench-", dir=tmpdir) as directory:
-        for workload in workloads:
-            progress(f"# writing {workload.describe()}")
-            dataset = anchors.write_dataset(Path(directory), workload)
-            try:
-                for _slug, label, factory in paths:
-                    progress(f"  {label} / {workload.name} ...")
-                    result = anchors.measure(
-                        label, dataset, factory, repeat=repeat, warmup=warmup, timeout=timeout
-                    )
-                    results.append(result)
-                    if result.ok:
-                        progress(
-                            f"    {result.median_gbps:.2f} GB/s median "
-                            f"({', '.join(f'{g:.2f}' for g in result.gbps)}), "
-                            f"{result.median_batches_per_s:,.0f} batches/s"
-                        )
-                    else:
-                        progress(f"    {result.error}")
-            finally:
-                dataset.path.unlink(missing_ok=True)
+    anchors.run_paths(
+        paths,
+        workloads,
+        repeat=repeat,
+        warmup=warmup,
+        timeout=timeout,
+        tmpdir=tmpdir,
+        results=results,
+        progress=progress,
+        prefix="dissoc-flight-bench-",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

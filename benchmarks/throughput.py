@@ -61,7 +61,6 @@ import signal
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -420,30 +419,17 @@ def run(
     results: list[Measurement],
 ) -> None:
     """Measure every path on every workload, appending to ``results`` as it goes."""
-    paths = list(paths)
-    with tempfile.TemporaryDirectory(prefix="dissoc-bench-", dir=tmpdir) as directory:
-        for workload in workloads:
-            _progress(f"# writing {workload.describe()}")
-            dataset = anchors.write_dataset(Path(directory), workload)
-            try:
-                for _slug, label, factory in paths:
-                    _progress(f"  {label} / {workload.name} ...")
-                    result = anchors.measure(
-                        label, dataset, factory, repeat=repeat, warmup=warmup, timeout=timeout
-                    )
-                    if label in _API_USED and not result.note:
-                        result.note = f"client: {_API_USED[label]}"
-                    results.append(result)
-                    if result.ok:
-                        _progress(
-                            f"    {result.median_gbps:.2f} GB/s median "
-                            f"({', '.join(f'{g:.2f}' for g in result.gbps)}), "
-                            f"{result.median_batches_per_s:,.0f} batches/s"
-                        )
-                    else:
-                        _progress(f"    {result.error}")
-            finally:
-                dataset.path.unlink(missing_ok=True)
+    anchors.run_paths(
+        paths,
+        workloads,
+        repeat=repeat,
+        warmup=warmup,
+        timeout=timeout,
+        tmpdir=tmpdir,
+        results=results,
+        progress=_progress,
+        note=lambda label: f"client: {_API_USED[label]}" if label in _API_USED else None,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
