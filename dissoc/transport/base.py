@@ -106,8 +106,37 @@ class TaggedMessage(NamedTuple):
     payload: BytesLike
 
     def view(self) -> memoryview:
-        """A flat byte view of the payload (no copy)."""
+        """A flat byte view of the payload (no copy); TypeError for a payload in device memory."""
         return _byte_view(self.payload)
+
+    @property
+    def nbytes(self) -> int:
+        """The payload's length in bytes (host or device memory)."""
+        size = device_nbytes(self.payload)
+        return size if size is not None else _byte_view(self.payload).nbytes
+
+
+def device_nbytes(obj: Any) -> int | None:
+    """The size of a CUDA device buffer (an object with ``__cuda_array_interface__``), or None for others.
+
+    Only C-contiguous device buffers can be sent or received into (ValueError otherwise).
+    """
+    if getattr(type(obj), "__cuda_array_interface__", None) is None:
+        return None
+    iface = obj.__cuda_array_interface__
+    shape = tuple(int(d) for d in iface["shape"])
+    itemsize = int(str(iface["typestr"])[2:])
+    count = 1
+    for dim in shape:
+        count *= dim
+    strides = iface.get("strides")
+    if strides is not None:
+        expected = itemsize
+        for dim, stride in zip(reversed(shape), reversed(tuple(strides)), strict=True):
+            if dim > 1 and int(stride) != expected:
+                raise ValueError("device buffers must be C-contiguous")
+            expected *= dim
+    return count * itemsize
 
 
 def aligned_empty(length: int, alignment: int = ALIGNMENT) -> np.ndarray[Any, np.dtype[np.uint8]]:
@@ -223,6 +252,8 @@ def _as_views(data: SendData) -> tuple[list[memoryview], int]:
     views: list[memoryview] = []
     total = 0
     for item in items:
+        if device_nbytes(item) is not None:
+            raise TransportError("this transport sends host memory only: copy device buffers to the host")
         view = _byte_view(item)
         views.append(view)
         total += view.nbytes
@@ -663,10 +694,28 @@ class Connection(abc.ABC):
             )
         return False
 
+    #: Whether this transport moves device (CUDA) memory itself: sends take objects with
+    #: ``__cuda_array_interface__`` and the allocator may return them. Others need host memory.
+    device_memory = False
+
     def _allocate(self, tag: int, length: int) -> tuple[BytesLike, memoryview]:
-        """Call the placement hook for a tagged payload; returns the buffer and a writable byte view of it."""
+        """Call the placement hook for a tagged payload; returns the buffer and a writable byte view of it
+        (for a device buffer, on a transport with :attr:`device_memory`, the buffer itself)."""
         try:
             buffer = self._allocator(tag, length)
+            size = device_nbytes(buffer)
+            if size is not None:
+                if not self.device_memory:
+                    raise TransportError(
+                        f"{self._description}: the allocator returned device memory for tag {tag:#018x}; "
+                        "this transport receives into host memory only"
+                    )
+                if size != length:
+                    raise TransportError(
+                        f"{self._description}: the allocator must return a buffer of {length} bytes for tag "
+                        f"{tag:#018x}; it returned a device buffer of {size} bytes"
+                    )
+                return buffer, buffer  # type: ignore[return-value]
             view = _byte_view(buffer)
         except DissocError:
             raise

@@ -76,6 +76,7 @@ from dissoc.transport.base import (
     _as_views,
     _check_u64,
     _Waiter,
+    device_nbytes,
     register_transport,
 )
 
@@ -331,8 +332,11 @@ class _TaggedRecv:
 class UcxConnection(Connection):
     """A :class:`Connection` between two per-connection UCX workers (see the module docstring).
 
-    Get one from :func:`connect_ucx` or in a :func:`serve_ucx` handler.
+    Get one from :func:`connect_ucx` or in a :func:`serve_ucx` handler. Tagged messages may be sent from
+    device memory, and the allocator may return device buffers (UCX's CUDA transports move them).
     """
+
+    device_memory = True
 
     def __init__(
         self,
@@ -380,8 +384,11 @@ class UcxConnection(Connection):
 
     # ------------------------------------------------------------------------------------------------ sending
 
-    def _post(self, tagged: bool, tag: int, views: list[memoryview], total: int) -> tuple[Any, Any, str]:
-        """Post one message to UCX; returns the request, what it must keep alive, and a description."""
+    def _post(self, tagged: bool, tag: int, views: list[Any], total: int) -> tuple[Any, Any, str]:
+        """Post one message to UCX; returns the request, what it must keep alive, and a description.
+
+        ``views`` are byte views, or one device buffer (``__cuda_array_interface__``), sent from where it is.
+        """
         if len(views) == 1:
             data: Any = views[0]
         else:
@@ -404,12 +411,20 @@ class UcxConnection(Connection):
         request, keep, what = self._post(tagged, tag, views, total)
         await self._driver.wait(request, keep, what)
 
+    async def send_tagged(self, tag: int, data: SendData) -> None:
+        """Send one tagged message (host buffers, or one device buffer sent from device memory)."""
+        await self.send_many([(tag, data)])
+
     async def send_many(self, messages: Sequence[tuple[int | None, SendData]]) -> None:
         """Post every message at once, in order, then wait for them all (see :meth:`Connection.send_many`)."""
-        prepared: list[tuple[bool, int, list[memoryview], int]] = []
+        prepared: list[tuple[bool, int, list[Any], int]] = []
         for tag, data in messages:
             if tag is not None:
                 _check_u64(tag, "tag")
+            device = _device_item(data)
+            if device is not None:
+                prepared.append((tag is not None, tag or 0, [device[0]], device[1]))
+                continue
             views, total = _as_views(data)
             prepared.append((tag is not None, tag or 0, views, total))
         posted = [self._post(tagged, tag, views, total) for tagged, tag, views, total in prepared]
@@ -710,6 +725,17 @@ class UcxConnection(Connection):
         task = self._release_task
         if task is not None:
             await asyncio.shield(task)
+
+
+def _device_item(data: Any) -> tuple[Any, int] | None:
+    """(the device buffer, its size) when ``data`` is one device buffer (alone or in a one-item list)."""
+    item = data[0] if isinstance(data, (list, tuple)) and len(data) == 1 else data
+    size = device_nbytes(item)
+    if size is None:
+        if isinstance(data, (list, tuple)) and any(device_nbytes(d) is not None for d in data):
+            raise TransportError("a message in device memory must be one buffer (gather it on the device)")
+        return None
+    return item, size
 
 
 def _alive(endpoint: Any) -> bool:
