@@ -39,10 +39,10 @@ are run, then the worker is armed again. While requests are outstanding a 0.5 s 
 a guard against a missed wake-up. An idle connection costs no CPU.
 
 **Environment.** ucxx is imported lazily, by the first ``serve_ucx``/``connect_ucx`` call, never by importing
-this module. Importing ucxx sets, when unset, ``UCX_MEMTYPE_CACHE=n``, ``UCX_RNDV_THRESH=8192``,
-``UCX_RNDV_FRAG_MEM_TYPE=cuda`` and ``UCX_MAX_RNDV_RAILS=1`` in ``os.environ`` (ucxx's own choices, kept as
-they are); that first import also sets ``UCX_WARN_UNUSED_ENV_VARS=n`` when unset, so that UCX does not print
-warnings about them on stdout.
+this module, and the environment is left as it was: importing ucxx sets, when unset, ``UCX_MEMTYPE_CACHE=n``,
+``UCX_RNDV_THRESH=8192``, ``UCX_RNDV_FRAG_MEM_TYPE=cuda`` and ``UCX_MAX_RNDV_RAILS=1`` (ucxx's own choices);
+they are taken back out of ``os.environ`` at once and passed to dissoc's UCX context as its configuration
+instead (``UCX_*`` variables the user set still win).
 """
 
 from __future__ import annotations
@@ -116,15 +116,32 @@ def _lib() -> Any:
     """ucxx's low-level module, imported on first use (see the module docstring about the environment)."""
     global _lib_module
     if _lib_module is None:
-        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        before = dict(os.environ)
         try:
             import ucxx._lib.libucxx as libucxx
         except ImportError as exc:
             raise TransportError(
                 f"the 'ucx' transport needs ucxx (pip install 'dissoc[ucx]'): {exc}"
             ) from exc
+        finally:
+            _restore_environment(before)
         _lib_module = libucxx
     return _lib_module
+
+
+#: What importing ucxx put into ``os.environ`` (then taken out again): UCX settings, without the prefix.
+_UCXX_SETTINGS: dict[str, str] = {}
+
+
+def _restore_environment(before: dict[str, str]) -> None:
+    """Undo what importing ucxx did to ``os.environ``, keeping its UCX choices for our contexts' config."""
+    for key in [k for k in os.environ if k not in before]:
+        value = os.environ.pop(key)
+        if key.startswith("UCX_"):
+            _UCXX_SETTINGS[key[4:]] = value
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 def _ucx_context() -> Any:
@@ -136,10 +153,16 @@ def _ucx_context() -> Any:
         # Without cma: UCX aborts a process whose cma read fails because the peer died mid-transfer (the data
         # endpoints have no peer-failure handling); shared memory still carries the data. UCX_TLS overrides.
         config = {} if "UCX_TLS" in os.environ else {"TLS": "^cma"}
+        # ucxx's own defaults (they were environment variables; UCX_* set by the user still win).
+        settings = {k: v for k, v in _UCXX_SETTINGS.items() if f"UCX_{k}" not in os.environ}
         try:
-            _context = lib.UCXContext(config, features)
-        except Exception as exc:
-            raise TransportError(f"cannot create a UCX context: {exc}") from exc
+            _context = lib.UCXContext({**settings, **config}, features)
+        except Exception:
+            logger.debug("UCX context with ucxx's settings %s failed; without them", settings, exc_info=True)
+            try:
+                _context = lib.UCXContext(config, features)
+            except Exception as exc:
+                raise TransportError(f"cannot create a UCX context: {exc}") from exc
     return _context
 
 
