@@ -8,10 +8,16 @@ data URI publishes about it (``memory``, ``remote_handle`` and, for UCX, where t
   packed remote key; pairs carry offsets from the registered base. The URI also carries ``rma_worker`` (the
   base64 UCX address of the worker the region was registered with, which the client connects an RMA endpoint
   to), ``rma_base`` and ``rma_length`` (the region, so that the client can bound every read).
+* ``memory=cuda``: one dedicated device allocation (:class:`~dissoc.memory.device_arena.DeviceArena`);
+  ``remote_handle`` is its 64-byte CUDA IPC memory handle; pairs carry offsets from its base. The URI also
+  carries ``cuda_length``, the allocation's size, so that the client can bound every read.
 
 Client side, :func:`open_pair_reader` gives a :class:`PairReader` for a data URI: ``read(pairs)`` returns
 one ``pa.Buffer`` (or None when empty) per pair and tells which offsets may be freed now; zero-copy readers
 return buffers that free their ranges when the last of them is released (``on_release``).
+``read_device(pairs)`` is the same with device arrays (the device landing): for ``memory=cuda`` views over
+the mapped allocation (zero-copy) or device-to-device copies; for ``shm`` and ``ucx``, host reads uploaded
+to the device. A ``memory=cuda`` reader opens the IPC handle once, when it is made (one reader per stream).
 """
 
 from __future__ import annotations
@@ -26,33 +32,47 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dissoc.errors import DissocError, ProtocolError
+from dissoc.errors import DissocError, ProtocolError, ResourceError
+from dissoc.memory.device import IPC_HANDLE_BYTES, DeviceAllocation, DeviceBackend, get_backend
 from dissoc.memory.shm import ShmArena, ShmView, cleanup_stale
 from dissoc.protocol import PairList
 from dissoc.uri import DissocURI
 
-__all__ = ["PairReader", "ServedArena", "open_pair_reader"]
+__all__ = ["MEMORY_KINDS", "PairReader", "ServedArena", "cuda_region", "open_pair_reader"]
 
 log = logging.getLogger(__name__)
 
-MEMORY_KINDS = ("shm", "ucx")
+MEMORY_KINDS = ("shm", "ucx", "cuda")
 
 
 class ServedArena:
-    """The arena a data server places pair-list bodies in, and what its URI says about it."""
+    """The arena a data server places pair-list bodies in, and what its URI says about it.
+
+    ``memory`` is ``shm``, ``ucx`` or ``cuda``; ``arena`` is a :class:`~dissoc.memory.shm.ShmArena` for the
+    first two and a :class:`~dissoc.memory.device_arena.DeviceArena` for ``cuda`` (same allocator API);
+    ``params`` are the extra data-URI parameters (``rma_*`` for ucx, ``cuda_length`` for cuda). Asking for
+    ``cuda`` where there is no device raises :class:`~dissoc.errors.ResourceError` naming the ``gpu`` extra.
+    """
 
     def __init__(self, memory: str, capacity: int) -> None:
         if memory not in MEMORY_KINDS:
-            raise DissocError(
-                f"memory: expected one of {', '.join(MEMORY_KINDS)} for pairs, got {memory!r}"
-                + (" (device memory comes with the GPU path)" if memory == "cuda" else "")
-            )
+            raise DissocError(f"memory: expected one of {', '.join(MEMORY_KINDS)} for pairs, got {memory!r}")
         self.memory = memory
-        cleanup_stale()
-        self.arena = ShmArena.create(capacity)
         self._rma: Any = None
         self._registration: Any = None
         self.params: dict[str, str] = {}
+        self.arena: Any
+        if memory == "cuda":
+            from dissoc.memory.device_arena import DeviceArena
+
+            try:
+                self.arena = DeviceArena.create(capacity)
+            except ResourceError as e:
+                raise ResourceError(f"memory=cuda: {e}") from e
+            self.params = {"cuda_length": str(self.arena.capacity)}
+            return
+        cleanup_stale()
+        self.arena = ShmArena.create(capacity)
         if memory == "ucx":
             try:
                 self._register()
@@ -76,13 +96,14 @@ class ServedArena:
 
     @property
     def remote_handle(self) -> bytes:
-        """What the URI's ``remote_handle`` carries: the segment's name, or the packed UCX remote key."""
+        """What the URI's ``remote_handle`` carries: the segment's name, the packed UCX remote key, or the
+        64-byte CUDA IPC handle of the device arena."""
         if self.memory == "ucx":
             return bytes(self._registration.rkey)
-        return self.arena.handle
+        return bytes(self.arena.handle)
 
     def close(self) -> None:
-        """Unregister, stop, and unlink the segment."""
+        """Unregister, stop, and unlink the segment (or free the device allocation)."""
         if self._registration is not None:
             self._registration.close()
             self._registration = None
@@ -96,12 +117,32 @@ class ServedArena:
 
 
 class PairReader:
-    """Turns a pair list into buffers. ``read`` returns (buffers, offsets to free now)."""
+    """Turns a pair list into buffers. ``read`` returns (buffers, offsets to free now).
+
+    Offsets not returned as free-now are handed to the reader's ``on_release`` callback when the zero-copy
+    buffers (or device arrays) over them are released; every listed offset is reported exactly once, by one
+    or the other.
+    """
 
     zero_copy = False
 
     def read(self, pairs: PairList) -> tuple[list[pa.Buffer | None], list[int]]:
+        """One host buffer per pair (None for an empty one), and the offsets that may be freed now."""
         raise NotImplementedError
+
+    def read_device(self, pairs: PairList) -> tuple[list[Any | None], list[int]]:
+        """One uint8 device array per pair (None for an empty one), and the offsets that may be freed now.
+
+        This default reads the host buffers with :meth:`read` and uploads them to the device of
+        :func:`~dissoc.memory.device.get_backend` (for pairs in host memory: ``shm``, ``ucx``); a zero-copy
+        reader's ranges are then handed to ``on_release`` as soon as the host buffers are dropped, after the
+        upload. Raises :class:`~dissoc.errors.ResourceError` (naming the ``gpu`` extra) without a device.
+        """
+        backend = get_backend()
+        buffers, done = self.read(pairs)
+        out = [None if b is None else backend.upload(b) for b in buffers]
+        backend.synchronize()
+        return out, done
 
     def close(self) -> None:
         """Let go of what the reader holds (zero-copy buffers already handed out stay valid)."""
@@ -240,10 +281,180 @@ class _UcxGet(PairReader):
         self.rkey.close()
 
 
+_U63_MAX = (1 << 63) - 1
+
+
+def cuda_region(uri: DissocURI) -> tuple[bytes, int]:
+    """The (IPC handle, length) a ``memory=cuda`` data URI announces, checked; :class:`ProtocolError` if the
+    ``remote_handle`` is not :data:`~dissoc.memory.device.IPC_HANDLE_BYTES` bytes or ``cuda_length`` is not
+    a positive decimal integer."""
+    handle = uri.remote_handle
+    if handle is None or len(handle) != IPC_HANDLE_BYTES:
+        got = "none" if handle is None else f"{len(handle)} bytes"
+        raise ProtocolError(
+            f"data URI: memory=cuda needs a {IPC_HANDLE_BYTES}-byte CUDA IPC handle as remote_handle, "
+            f"got {got}"
+        )
+    text = uri.params.get("cuda_length")
+    if (
+        text is None
+        or not 0 < len(text) <= 20
+        or not text.isascii()
+        or not text.isdigit()
+        or not 0 < int(text) <= _U63_MAX
+    ):
+        raise ProtocolError(
+            f"data URI: memory=cuda needs cuda_length (the allocation's size in bytes, a positive decimal "
+            f"integer), got {text!r}"
+        )
+    return handle, int(text)
+
+
+class _DeviceLease:
+    """Owned by every device array of one zero-copy batch (and keeping the mapping): when the last array
+    goes, the batch's ranges are freed."""
+
+    __slots__ = ("__weakref__", "allocation")
+
+    def __init__(self, allocation: DeviceAllocation) -> None:
+        self.allocation = allocation
+
+
+class _CudaReader(PairReader):
+    """Pairs in another process's device allocation, mapped once from its IPC handle.
+
+    Host landing (:meth:`read`) copies each range device-to-host and frees at once. Device landing
+    (:meth:`read_device`) gives views over the mapping (``zero_copy``: freed when the batch's last view is
+    released) or device-to-device copies (freed at once). :meth:`close` unmaps, or, while zero-copy views are
+    alive, leaves that to the release of the last of them.
+    """
+
+    def __init__(
+        self,
+        uri: DissocURI,
+        *,
+        zero_copy: bool,
+        on_release: Callable[[list[int]], None],
+        backend: DeviceBackend | None = None,
+    ) -> None:
+        handle, self.length = cuda_region(uri)
+        self.backend = get_backend() if backend is None else backend
+        self.zero_copy = zero_copy
+        self.on_release = on_release
+        self._lock = threading.Lock()
+        self.outstanding = 0
+        self.idle = threading.Event()
+        self.idle.set()
+        self._closed = False
+        self._allocation: DeviceAllocation | None = self.backend.open_ipc(handle, self.length)
+        log.debug("mapped a %d-byte device allocation (%s)", self.length, self.backend.name)
+
+    def _rows(self, pairs: PairList) -> tuple[DeviceAllocation, list[tuple[int, int]]]:
+        """The mapping and the pairs, every non-empty one checked against ``cuda_length``."""
+        rows: list[tuple[int, int]] = [(int(a), int(n)) for a, n in pairs.pairs.tolist()]
+        for offset, n in rows:
+            if n and (offset < 0 or offset + n > self.length):
+                raise ProtocolError(
+                    f"pairs: expected ranges inside the {self.length}-byte device allocation, "
+                    f"got offset {offset} length {n}"
+                )
+        allocation = self._allocation
+        if self._closed or allocation is None:
+            raise ResourceError("device pair reader: expected an open reader, got a closed one")
+        return allocation, rows
+
+    def read(self, pairs: PairList) -> tuple[list[pa.Buffer | None], list[int]]:
+        allocation, rows = self._rows(pairs)
+        sizes = [(n + 63) & ~63 for _, n in rows]
+        whole = pa.allocate_buffer(sum(sizes))  # 64-byte aligned, like Arrow's own buffers
+        dest = np.frombuffer(whole, dtype=np.uint8)
+        out: list[pa.Buffer | None] = []
+        at = 0
+        for (offset, n), size in zip(rows, sizes, strict=True):
+            if n == 0:
+                out.append(None)
+                continue
+            self.backend.download(self.backend.view(allocation, offset, n), out=dest[at : at + n])
+            out.append(whole.slice(at, n))
+            at += size
+        # download waits for each copy: the ranges can go back now
+        return out, [offset for offset, n in rows if n]
+
+    def read_device(self, pairs: PairList) -> tuple[list[Any | None], list[int]]:
+        allocation, rows = self._rows(pairs)
+        offsets = [offset for offset, n in rows if n]
+        if not offsets:
+            return [None] * len(rows), []
+        backend = self.backend
+        if self.zero_copy:
+            with self._lock:  # counted before close() can look: the mapping stays while the batch lives
+                if self._closed:
+                    raise ResourceError("device pair reader: expected an open reader, got a closed one")
+                self.outstanding += 1
+                self.idle.clear()
+            lease = _DeviceLease(allocation)
+            weakref.finalize(lease, self._released, offsets)  # from here on, the ranges go back exactly once
+            views = [
+                None if n == 0 else backend.view(allocation, offset, n, owner=lease) for offset, n in rows
+            ]
+            return views, []
+        sizes = [(n + 63) & ~63 for _, n in rows]
+        dest = backend.empty(sum(sizes))
+        out: list[Any | None] = []
+        at = 0
+        for (offset, n), size in zip(rows, sizes, strict=True):
+            if n == 0:
+                out.append(None)
+                continue
+            target = dest[at : at + n]
+            backend.copy(target, backend.view(allocation, offset, n))
+            out.append(target)
+            at += size
+        backend.synchronize()  # the copies must be done before the server may reuse the ranges
+        return out, offsets
+
+    def _released(self, offsets: list[int]) -> None:
+        # Runs in whichever thread dropped the batch's last view.
+        try:
+            self.on_release(offsets)
+        except Exception:  # a finalizer must not raise
+            log.debug("handing back %d ranges failed", len(offsets), exc_info=True)
+        with self._lock:
+            self.outstanding -= 1
+            last = self.outstanding == 0
+            if last:
+                self.idle.set()
+            unmap = last and self._closed
+        if unmap:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        with self._lock:
+            allocation, self._allocation = self._allocation, None
+        if allocation is not None:
+            allocation.close()
+            log.debug("unmapped the %d-byte device allocation", self.length)
+
+    def close(self) -> None:
+        """Stop reading; unmap the allocation now, or when the last zero-copy view still alive is released."""
+        with self._lock:
+            self._closed = True
+            busy = self.outstanding > 0
+        if not busy:
+            self._unmap()
+
+
 def open_pair_reader(
     uri: DissocURI, *, zero_copy: bool, on_release: Callable[[list[int]], None], timeout: float
 ) -> PairReader:
-    """The reader for a data URI that announces pair-list bodies (``memory=shm`` or ``memory=ucx``)."""
+    """The reader for a data URI that announces pair-list bodies (``memory=shm``, ``ucx`` or ``cuda``).
+
+    ``zero_copy``: batches over the server's memory itself where that memory can be mapped (``shm``; device
+    landing of ``cuda``), their ranges handed to ``on_release`` when released. ``memory=cuda`` maps the IPC
+    handle here, once: :class:`~dissoc.errors.ProtocolError` for a handle that is not 64 bytes or a missing
+    ``cuda_length``, :class:`~dissoc.errors.ResourceError` without a device or when the handle cannot be
+    opened.
+    """
     if uri.remote_handle is None or uri.free_data is None:
         raise ProtocolError(f"data URI: memory={uri.memory!r} needs remote_handle and free_data, got {uri}")
     if uri.memory == "shm":
@@ -251,6 +462,8 @@ def open_pair_reader(
         return _ShmZeroCopy(view, on_release) if zero_copy else _ShmCopy(view)
     if uri.memory == "ucx":
         return _UcxGet(uri, timeout)
+    if uri.memory == "cuda":
+        return _CudaReader(uri, zero_copy=zero_copy, on_release=on_release)
     raise ProtocolError(
-        f"data URI: pairs in memory={uri.memory!r} cannot be read here (this client reads shm and ucx)"
+        f"data URI: pairs in memory={uri.memory!r} cannot be read here (this client reads shm, ucx and cuda)"
     )

@@ -1,10 +1,11 @@
 """Host shared memory: a POSIX shared-memory arena (server side) and a read-only view of one (client side).
 
 Server side, :class:`ShmArena` creates a segment named ``dissoc-<pid>-<random>`` with mode 0600, maps it
-read-write, and hands out 64-byte aligned ranges from it with a first-fit free-list allocator that coalesces
-neighbours on release. :meth:`ShmArena.place` copies a batch's buffers in (one allocation per non-empty
-buffer, so every pair-list entry is its own allocation, keyed by its offset: a free_data message names exactly
-the offsets to :meth:`ShmArena.release`). When the arena is full, :meth:`ShmArena.allocate_wait` and
+read-write, and hands out 64-byte aligned ranges from it with the first-fit free-list allocator that coalesces
+neighbours on release (:class:`~dissoc.memory.arena.FreeListArena`, shared with the device arena).
+:meth:`ShmArena.place` copies a batch's buffers in (one allocation per non-empty buffer, so every pair-list
+entry is its own allocation, keyed by its offset: a free_data message names exactly the offsets to
+:meth:`ShmArena.release`). When the arena is full, :meth:`ShmArena.allocate_wait` and
 :meth:`ShmArena.place_wait` wait for releases instead of failing or growing: that is the server's
 backpressure. The URI's ``remote_handle`` is :attr:`ShmArena.handle`, the segment's POSIX name.
 
@@ -22,8 +23,6 @@ state is behind a lock and waiters are woken in their own event loop).
 
 from __future__ import annotations
 
-import asyncio
-import bisect
 import contextlib
 import errno
 import importlib
@@ -33,7 +32,6 @@ import re
 import secrets
 import stat
 import sys
-import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from types import ModuleType, TracebackType
@@ -44,6 +42,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from dissoc.errors import ProtocolError, ResourceError
+from dissoc.memory.arena import ALIGNMENT, FreeListArena, align_up
 
 __all__ = [
     "ALIGNMENT",
@@ -53,9 +52,6 @@ __all__ = [
     "ShmView",
     "cleanup_stale",
 ]
-
-ALIGNMENT: Final = 64
-"""Allocation granule and default alignment: offsets are multiples of 64, sizes are rounded up to 64."""
 
 NAME_PREFIX: Final = "dissoc-"
 SHM_DIR: Final = "/dev/shm"
@@ -181,11 +177,7 @@ def cleanup_stale(prefix: str = NAME_PREFIX, *, directory: str = SHM_DIR) -> lis
     return removed
 
 
-# -- allocator ----------------------------------------------------------------------------------------------
-
-
-def _align_up(value: int, alignment: int) -> int:
-    return (value + alignment - 1) & ~(alignment - 1)
+# -- the arena ----------------------------------------------------------------------------------------------
 
 
 def _as_contiguous_bytes(buf: Any) -> memoryview:
@@ -197,29 +189,21 @@ def _as_contiguous_bytes(buf: Any) -> memoryview:
     return mv
 
 
-class ShmArena:
+class ShmArena(FreeListArena):
     """A POSIX shared-memory segment this process created, with an allocator over it.
 
     Create with :meth:`create`; close with :meth:`close` (or use it as a context manager), which unmaps and
     unlinks the segment. Offsets are relative to the start of the segment, multiples of :data:`ALIGNMENT`;
-    sizes are rounded up to :data:`ALIGNMENT`, so :attr:`used_bytes` counts the rounded sizes.
+    sizes are rounded up to :data:`ALIGNMENT`, so :attr:`used_bytes` counts the rounded sizes. The allocator,
+    batch placement and waiting for room are :class:`~dissoc.memory.arena.FreeListArena`'s.
     """
 
     def __init__(self, name: str, mm: mmap.mmap, capacity: int) -> None:
         """Use :meth:`create`."""
+        super().__init__(capacity)
         self._name = name
         self._mmap: mmap.mmap | None = mm
-        self._capacity = capacity
         self._view: memoryview | None = memoryview(mm)
-        self._closed = False
-        self._lock = threading.Lock()
-        # Allocator: allocated {offset: rounded size}; free blocks {start: size} plus sorted starts.
-        self._allocated: dict[int, int] = {}
-        self._free: dict[int, int] = {0: capacity}
-        self._free_starts: list[int] = [0]
-        self._used = 0
-        # Tasks waiting for space: (their loop, a future to resolve when something is released).
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._finalizer = weakref.finalize(self, _unlink_if_creator, name, os.getpid())
 
     @classmethod
@@ -232,7 +216,7 @@ class ShmArena:
         """
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
             raise ValueError(f"capacity: expected a positive int, got {capacity!r}")
-        capacity = _align_up(capacity, ALIGNMENT)
+        capacity = align_up(capacity, ALIGNMENT)
         name = _check_name(name) if name is not None else f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         fd = _shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, _MODE)
         try:
@@ -267,15 +251,6 @@ class ShmArena:
         return self._name.encode("ascii")
 
     @property
-    def capacity(self) -> int:
-        """Size of the segment in bytes (a multiple of 64)."""
-        return self._capacity
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def buffer(self) -> memoryview:
         """A writable byte view of the whole segment (a new view each time)."""
         self._live_view()
@@ -287,269 +262,31 @@ class ShmArena:
         """A writable numpy uint8 view of the whole segment."""
         return np.frombuffer(self.buffer, dtype=np.uint8)
 
-    @property
-    def used_bytes(self) -> int:
-        """Bytes allocated (sizes rounded up to 64)."""
-        return self._used
+    # -- what the allocator needs -------------------------------------------------------------------------
 
     @property
-    def free_bytes(self) -> int:
-        return self._capacity - self._used
-
-    @property
-    def largest_free_block(self) -> int:
-        """The largest allocation that would succeed now with the default alignment."""
-        with self._lock:
-            return max(self._free.values(), default=0)
-
-    @property
-    def allocations(self) -> int:
-        """Number of live allocations."""
-        return len(self._allocated)
-
-    def allocation_size(self, offset: int) -> int:
-        """The (rounded) size of the allocation at ``offset``; KeyError if there is none."""
-        return self._allocated[offset]
+    def _label(self) -> str:
+        return f"shared memory arena {self._name!r}"
 
     def _live_view(self) -> memoryview:
         if self._view is None:
-            raise ResourceError(
-                f"shared memory arena {self._name!r}: expected an open arena, got a closed one"
-            )
+            raise ResourceError(f"{self._label}: expected an open arena, got a closed one")
         return self._view
 
-    # -- allocation ---------------------------------------------------------------------------------------
-
-    def _check_request(self, nbytes: int, alignment: int) -> int:
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-            raise ValueError(f"allocate: expected a positive number of bytes, got {nbytes!r}")
-        if alignment < ALIGNMENT or alignment & (alignment - 1):
-            raise ValueError(f"allocate: expected a power-of-two alignment >= {ALIGNMENT}, got {alignment}")
-        if nbytes > self._capacity:
-            raise ResourceError(
-                f"shared memory arena {self._name!r}: expected at most its capacity of {self._capacity} "
-                f"bytes, got a request for {nbytes}"
-            )
+    def _check_open(self) -> None:
         self._live_view()
-        return _align_up(nbytes, ALIGNMENT)
 
-    def _take(self, size: int, alignment: int) -> int | None:
-        """First fit; caller holds the lock."""
-        for start in self._free_starts:
-            block = self._free[start]
-            offset = _align_up(start, alignment)
-            end = start + block
-            if offset + size > end:
-                continue
-            self._remove_free(start)
-            if offset > start:  # leading padding stays free
-                self._insert_free(start, offset - start)
-            if offset + size < end:
-                self._insert_free(offset + size, end - offset - size)
-            self._allocated[offset] = size
-            self._used += size
-            return offset
-        return None
-
-    def _remove_free(self, start: int) -> None:
-        del self._free[start]
-        self._free_starts.remove(start)
-
-    def _insert_free(self, start: int, size: int) -> None:
-        bisect.insort(self._free_starts, start)
-        self._free[start] = size
-
-    def try_allocate(self, nbytes: int, alignment: int = ALIGNMENT) -> int | None:
-        """Allocate ``nbytes`` now, or return ``None`` if no free block is big enough.
-
-        Raises :class:`~dissoc.errors.ResourceError` if ``nbytes`` exceeds the capacity (it never could fit)
-        or the arena is closed.
-        """
-        size = self._check_request(nbytes, alignment)
-        with self._lock:
-            return self._take(size, alignment)
-
-    def allocate(self, nbytes: int, alignment: int = ALIGNMENT) -> int:
-        """Allocate ``nbytes`` at an ``alignment``-aligned offset; returns the offset.
-
-        Raises :class:`~dissoc.errors.ResourceError` if ``nbytes`` exceeds the capacity or no free block is
-        big enough now (use :meth:`allocate_wait` to wait for releases instead).
-        """
-        offset = self.try_allocate(nbytes, alignment)
-        if offset is None:
-            raise ResourceError(
-                f"shared memory arena {self._name!r}: expected room for {nbytes} bytes, got "
-                f"{self.free_bytes} free of {self._capacity} (largest free block {self.largest_free_block})"
-            )
-        return offset
-
-    def release(self, offset: int) -> int:
-        """Release the allocation at ``offset``; returns its (rounded) size and wakes waiting tasks.
-
-        Raises :class:`ValueError` if nothing is allocated at ``offset`` (a double release is a bug).
-        Safe to call from any thread.
-        """
-        with self._lock:
-            size = self._release_locked(offset)
-        self._wake()
-        return size
-
-    def release_many(self, offsets: Iterable[int]) -> int:
-        """Release several allocations (all or none); returns the bytes released."""
-        offsets = list(offsets)
-        with self._lock:
-            missing = [o for o in offsets if o not in self._allocated]
-            if missing or len(set(offsets)) != len(offsets):
-                raise ValueError(f"release: expected distinct allocated offsets, got {offsets!r}")
-            total = sum(self._release_locked(o) for o in offsets)
-        self._wake()
-        return total
-
-    def _release_locked(self, offset: int) -> int:
-        size = self._allocated.pop(offset, None)
-        if size is None:
-            raise ValueError(f"release: expected an allocated offset, got {offset!r} (double release?)")
-        self._used -= size
-        start, end = offset, offset + size
-        i = bisect.bisect_left(self._free_starts, start)
-        if i < len(self._free_starts) and self._free_starts[i] == end:  # merge with the next block
-            end += self._free.pop(end)
-            del self._free_starts[i]
-        if i > 0:
-            prev = self._free_starts[i - 1]
-            if prev + self._free[prev] == start:  # merge with the previous block
-                self._free[prev] = end - prev
-                return size
-        self._free_starts.insert(i, start)
-        self._free[start] = end - start
-        return size
-
-    # -- waiting for space (backpressure) -----------------------------------------------------------------
-
-    def _wake(self) -> None:
-        with self._lock:
-            waiters, self._waiters = self._waiters, []
-        if not waiters:
-            return
-        try:
-            current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            current = None
-        for loop, fut in waiters:
-            if loop is current:
-                _resolve(fut)
-            elif not loop.is_closed():
-                with contextlib.suppress(RuntimeError):  # the loop closed in between
-                    loop.call_soon_threadsafe(_resolve, fut)
-
-    async def _until(self, attempt: Any, timeout: float | None, what: str) -> Any:
-        """Call ``attempt()`` until it returns non-None, waiting for a release between tries."""
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(timeout):
-                while True:
-                    with self._lock:
-                        result = attempt()
-                        if result is not None:
-                            return result
-                        fut: asyncio.Future[None] = loop.create_future()
-                        self._waiters.append((loop, fut))
-                    try:
-                        await fut
-                    finally:  # woken (already removed), cancelled or timed out (still listed)
-                        with self._lock, contextlib.suppress(ValueError):
-                            self._waiters.remove((loop, fut))
-                    self._live_view()  # closed while waiting
-        except TimeoutError:
-            raise ResourceError(
-                f"shared memory arena {self._name!r}: expected room for {what} within {timeout} s, got "
-                f"{self.free_bytes} free of {self._capacity} (largest free block {self.largest_free_block})"
-            ) from None
-
-    async def allocate_wait(
-        self, nbytes: int, timeout: float | None = None, alignment: int = ALIGNMENT
-    ) -> int:
-        """Allocate ``nbytes``, waiting for releases while the arena is too full; returns the offset.
-
-        Raises :class:`~dissoc.errors.ResourceError` at once if ``nbytes`` exceeds the capacity, after
-        ``timeout`` seconds if no room was made, or when the arena is closed meanwhile.
-        """
-        size = self._check_request(nbytes, alignment)
-        offset: int = await self._until(lambda: self._take(size, alignment), timeout, f"{nbytes} bytes")
-        return offset
-
-    # -- placing batches ----------------------------------------------------------------------------------
-
-    def _take_many(self, sizes: list[int]) -> list[int] | None:
-        """One allocation per non-zero size, all or none; caller holds the lock."""
-        offsets: list[int] = []
-        for size in sizes:
-            if not size:
-                continue
-            offset = self._take(size, ALIGNMENT)
-            if offset is None:
-                for o in offsets:
-                    self._release_locked(o)
-                return None
-            offsets.append(offset)
-        return offsets
-
-    def _fill(self, views: list[memoryview], offsets: list[int]) -> list[tuple[int, int]]:
-        dest = self._live_view()
-        pairs: list[tuple[int, int]] = []
-        it = iter(offsets)
-        for mv in views:
-            n = mv.nbytes
-            if not n:
-                pairs.append((0, 0))
-                continue
-            offset = next(it)
-            dest[offset : offset + n] = mv
-            pairs.append((offset, n))
-        return pairs
-
-    def _prepare(self, buffers: Sequence[Any]) -> tuple[list[memoryview], list[int]]:
-        self._live_view()
+    def _measure(self, buffers: Sequence[Any]) -> tuple[list[Any], list[int]]:
         views = [_as_contiguous_bytes(b) for b in buffers]
-        sizes = [_align_up(mv.nbytes, ALIGNMENT) for mv in views]
-        total = sum(sizes)
-        if total > self._capacity:
-            raise ResourceError(
-                f"shared memory arena {self._name!r}: expected a batch of at most {self._capacity} bytes "
-                f"(64-byte aligned), got {total}"
-            )
-        return views, sizes
+        return views, [mv.nbytes for mv in views]
 
-    def place(self, buffers: Sequence[Any]) -> list[tuple[int, int]]:
-        """Copy each buffer into the arena; returns one (offset, length) pair per buffer, in order.
-
-        One allocation per non-empty buffer, at a 64-byte aligned offset, so each pair can be freed (and
-        released with :meth:`release`) on its own; an empty buffer (or ``None``-free zero-length one) gives
-        ``(0, 0)`` and allocates nothing. All or nothing: raises :class:`~dissoc.errors.ResourceError`, having
-        allocated nothing, if the buffers do not all fit now (see :meth:`place_wait`).
-        """
-        views, sizes = self._prepare(buffers)
-        with self._lock:
-            offsets = self._take_many(sizes)
-        if offsets is None:
-            raise ResourceError(
-                f"shared memory arena {self._name!r}: expected room for a batch of {sum(sizes)} bytes, got "
-                f"{self.free_bytes} free of {self._capacity} (largest free block {self.largest_free_block})"
-            )
-        return self._fill(views, offsets)
-
-    async def place_wait(self, buffers: Sequence[Any], timeout: float | None = None) -> list[tuple[int, int]]:
-        """Like :meth:`place`, but waits for releases while the batch does not fit (backpressure).
-
-        Never holds part of a batch while waiting, so concurrent waiters cannot deadlock each other.
-        Raises :class:`~dissoc.errors.ResourceError` at once if the batch exceeds the capacity, or after
-        ``timeout`` seconds.
-        """
-        views, sizes = self._prepare(buffers)
-        offsets: list[int] = await self._until(
-            lambda: self._take_many(sizes), timeout, f"a batch of {sum(sizes)} bytes"
-        )
-        return self._fill(views, offsets)
+    def _fill(self, sources: list[Any], sizes: list[int], offsets: list[int]) -> None:
+        dest = self._live_view()
+        it = iter(offsets)
+        for mv, n in zip(sources, sizes, strict=True):
+            if n:
+                offset = next(it)
+                dest[offset : offset + n] = mv
 
     # -- lifetime -----------------------------------------------------------------------------------------
 
@@ -587,11 +324,6 @@ class ShmArena:
 
     # Convenience: the crash-recovery sweep, next to the class that creates the segments.
     cleanup_stale = staticmethod(cleanup_stale)
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class ShmView:
