@@ -46,6 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--memory", choices=["shm", "ucx", "cuda"], default=None, help="what pair addresses point at"
     )
+    s.add_argument(
+        "--no-resident",
+        dest="resident",
+        action="store_false",
+        help="with --body pairs: copy every batch into the arena per request, instead of placing each once "
+        "and listing it to every client",
+    )
     s.add_argument("--compression", choices=["lz4", "zstd"], default=None)
     s.add_argument(
         "--flight",
@@ -99,6 +106,7 @@ async def _serve(args: argparse.Namespace) -> int:
         compression=args.compression,
         body=args.body,
         memory=args.memory,
+        resident=args.resident,
     )
     async with contextlib.AsyncExitStack() as running:
         await running.enter_async_context(server)

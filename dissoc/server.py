@@ -18,6 +18,7 @@ from dissoc.errors import DissocError
 from dissoc.memory.shm import ShmArena
 from dissoc.metadata_server import CombinedServer, MetadataServer
 from dissoc.pair_memory import ServedArena
+from dissoc.placements import Placements
 from dissoc.protocol.ledger import Ledger
 from dissoc.serving import RoleServer, ServeOptions
 from dissoc.uri import DissocURI
@@ -37,6 +38,12 @@ class Server:
     ``datasets`` maps names to anything :func:`dissoc.datasets.dataset_from` accepts (a ``pa.Table``, a
     ``RecordBatchReader`` factory, an Arrow IPC or Parquet path). With ``split=True`` the metadata and data
     streams come from two servers on two ports (``uri`` and ``data_uri``); otherwise one server carries both.
+
+    With ``body="pairs"``, batch buffers are placed in an arena of ``arena_bytes`` and listed as
+    address/length pairs. With ``resident=True`` (the default), a batch of a stored or in-memory dataset is
+    placed once and stays there, listed to every client that asks with no further copy, until the arena
+    needs the room for something else and no client holds it (:attr:`placements`); ``resident=False`` places
+    a copy per request, freed when the client frees it.
     """
 
     def __init__(
@@ -54,6 +61,7 @@ class Server:
         body: str = "packed",
         memory: str | None = None,
         arena_bytes: int = 1 << 30,
+        resident: bool = True,
         **transport_options: Any,
     ) -> None:
         self.catalog = Catalog()
@@ -61,7 +69,8 @@ class Server:
             self.catalog.add(name, obj)
         self.arena: ShmArena | None = None
         self.served: ServedArena | None = None
-        ledger = None
+        self.placements: Placements | None = None
+        self.ledger: Ledger | None = None
         if body not in ("packed", "pairs"):
             raise DissocError(f"body must be 'packed' or 'pairs', got {body!r}")
         if body == "pairs":
@@ -72,7 +81,8 @@ class Server:
                 raise DissocError("compression applies to packed bodies; pairs point at uncompressed buffers")
             self.served = ServedArena(memory, arena_bytes)
             self.arena = self.served.arena
-            ledger = Ledger(arena_bytes)
+            self.ledger = Ledger(arena_bytes)
+            self.placements = Placements(self.arena, resident=resident)
             free_data = DEFAULT_FREE_DATA if free_data is None else free_data
         elif memory is not None:
             raise DissocError(f"memory={memory!r} needs body='pairs'")
@@ -81,8 +91,10 @@ class Server:
             free_data=free_data,
             compression=compression,
             arena=self.arena,
-            ledger=ledger,
+            ledger=self.ledger,
             served=self.served,
+            resident=resident,
+            placements=self.placements,
         )
         self.split = split
         self._servers: list[RoleServer]
@@ -104,12 +116,22 @@ class Server:
         self._closed = asyncio.Event()
 
     def add(self, name: str, obj: Any, *, replace: bool = False) -> Dataset:
-        """Serve another dataset (at once, to new requests). Safe from any thread (the catalog locks)."""
-        return self.catalog.add(name, obj, replace=replace)
+        """Serve another dataset (at once, to new requests). Safe from any thread (the catalog locks).
+
+        A replaced dataset's resident placements are dropped (each when no client holds it any more)."""
+        dataset = self.catalog.add(name, obj, replace=replace)
+        if self.placements is not None:
+            self.placements.forget(dataset.name)
+        return dataset
 
     def remove(self, name: str) -> Dataset:
-        """Stop serving a dataset to new requests (streams already running finish). Safe from any thread."""
-        return self.catalog.remove(name)
+        """Stop serving a dataset to new requests (streams already running finish). Safe from any thread.
+
+        Its resident placements are dropped (each when no client holds it any more)."""
+        dataset = self.catalog.remove(name)
+        if self.placements is not None:
+            self.placements.forget(dataset.name)
+        return dataset
 
     async def start(self) -> Self:
         for s in self._servers:
@@ -137,6 +159,8 @@ class Server:
     async def close(self) -> None:
         for s in self._servers:
             await s.close()
+        if self.placements is not None:
+            self.placements.close()
         if self.served is not None:
             self.served.close()  # unregisters from UCX, unlinks the segment
         self._closed.set()

@@ -11,7 +11,8 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import AsyncIterator, Iterator
+import os
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ import pyarrow as pa
 from dissoc.codec import MessageEncoder, iter_messages, parse
 from dissoc.datasets import Catalog, Dataset, IpcFileDataset, IpcStreamDataset, TableDataset
 from dissoc.errors import DissocError, TransportError
+from dissoc.placements import Placements, Scope
 from dissoc.protocol import (
     BODY_PAIRS,
     ERROR_TAG,
@@ -54,7 +56,9 @@ class ServeOptions:
 
     With an ``arena`` (and its ``ledger``), bodies are sent as address/length pairs (body type 1): each
     batch's buffers are copied into the arena and stay there until the client frees them with free_data
-    or disconnects.
+    or disconnects. With ``resident`` (the default), the batches of stored and in-memory datasets (whose
+    messages are the same on every request) are placed once and listed to every client that asks, with no
+    further copy (:mod:`dissoc.placements`); ``placements`` is made for the arena unless given.
     """
 
     want_data: int
@@ -63,6 +67,12 @@ class ServeOptions:
     arena: Any = None
     ledger: Ledger | None = None
     served: Any = None  # the dissoc.pair_memory.ServedArena that owns ``arena``: what the data URI publishes
+    resident: bool = True
+    placements: Placements | None = None
+
+    def __post_init__(self) -> None:
+        if self.arena is not None and self.placements is None:
+            object.__setattr__(self, "placements", Placements(self.arena, resident=self.resident))
 
 
 async def _batches(dataset: Dataset) -> AsyncIterator[pa.RecordBatch]:
@@ -122,14 +132,47 @@ _COALESCE_BYTES = 256 << 10
 _COALESCE_MESSAGES = 64
 
 
-async def stream_dataset(conn: Connection, role: Role, dataset: Dataset, options: ServeOptions) -> int:
-    """Send the stream(s) of ``role`` for ``dataset``; returns the number of messages sent."""
+def _same_every_time(dataset: Dataset) -> bool:
+    """Stored or in-memory data: the next message is ready at once, and the same on every request."""
+    return isinstance(dataset, (TableDataset, IpcFileDataset, IpcStreamDataset))
+
+
+def _scope(dataset: Dataset, placements: Placements, current: Callable[[], bool] | None) -> Scope | None:
+    """Where the dataset's resident placements are kept, or None when they must be made per request."""
+    if not placements.resident or not _same_every_time(dataset):
+        return None
+    version: Hashable = None
+    if isinstance(dataset, IpcStreamDataset):  # read from its path on every request: notice a rewrite
+        try:
+            st = os.stat(dataset.path)
+        except OSError:
+            return None
+        version = (st.st_ino, st.st_size, st.st_mtime_ns)
+    return placements.scope(dataset, version=version, current=current)
+
+
+async def stream_dataset(
+    conn: Connection,
+    role: Role,
+    dataset: Dataset,
+    options: ServeOptions,
+    *,
+    current: Callable[[], bool] | None = None,
+) -> int:
+    """Send the stream(s) of ``role`` for ``dataset``; returns the number of messages sent.
+
+    ``current()`` says whether ``dataset`` is still the one served under its name (resident placements are
+    kept only for a dataset still served).
+    """
     stream = ServerStream()
     meta = role is not Role.DATA
     data = role is not Role.METADATA
     # Coalescing only where the next message is ready at once (stored or in-memory data): a source read in
     # a worker thread flushes every message, so the client never waits on a half-filled batch of frames.
-    coalesce = isinstance(dataset, (TableDataset, IpcFileDataset, IpcStreamDataset))
+    coalesce = _same_every_time(dataset)
+    placements = options.placements if data and options.arena is not None else None
+    # Taken before the first await: the dataset is the one the catalog just gave.
+    scope = _scope(dataset, placements, current) if placements is not None else None
     pending: list[tuple[int | None, Any]] = []
     pending_bytes = 0
     try:
@@ -145,12 +188,18 @@ async def stream_dataset(conn: Connection, role: Role, dataset: Dataset, options
             if meta:
                 pending.append((None, [sent.header, metadata]))
                 pending_bytes += len(metadata) + 5
-            if data and sent.tag is not None and options.arena is not None:
-                # Body type 1: the buffers go into shared memory, the client gets where they are.
+            if data and sent.tag is not None and placements is not None:
+                # Body type 1: the buffers go into shared memory (once, for a resident placement), the
+                # client gets where they are.
                 if pending:
                     await conn.send_many(pending)
                     pending, pending_bytes = [], 0
-                pairs = await _place(conn, options.arena, _split_body(metadata, body))
+                pairs = await placements.acquire(
+                    conn,
+                    scope,
+                    sent.seq,
+                    lambda: _place(conn, placements, _split_body(metadata, body)),  # noqa: B023 - called at once
+                )
                 assert options.ledger is not None
                 options.ledger.record(conn, pairs)
                 await conn.send_tagged(make_body_tag(sent.seq, BODY_PAIRS), encode_pairs(pairs))
@@ -181,27 +230,34 @@ async def stream_dataset(conn: Connection, role: Role, dataset: Dataset, options
         return stream.next_seq
 
 
-async def _place(conn: Connection, arena: Any, buffers: list[Any]) -> list[tuple[int, int]]:
-    """Place a batch in the arena, waiting for frees while it is full, but not past the client's departure
-    (a client that holds its batches and leaves, or a server closing, must not leave this task waiting)."""
-    placing = asyncio.ensure_future(arena.place_wait(buffers))
-    returned = False
-    try:
-        while True:
-            done, _ = await asyncio.wait({placing}, timeout=0.25)
-            if done:
-                pairs: list[tuple[int, int]] = placing.result()
-                returned = True
-                return pairs
-            if conn.closed:
-                raise TransportError(f"{conn.description}: closed while waiting for room in the arena")
-    finally:
-        if not placing.done():
-            placing.cancel()
-            with contextlib.suppress(asyncio.CancelledError, DissocError):
-                await placing
-        if not returned and placing.done() and not placing.cancelled() and placing.exception() is None:
-            arena.release_many(offset for offset, _ in placing.result())  # placed, but nobody will list it
+async def _place(conn: Connection, placements: Placements, buffers: list[Any]) -> list[tuple[int, int]]:
+    """Place a batch in the arena: at once if it fits, evicting resident placements nobody holds (oldest
+    first) if that makes it fit, else waiting for frees, but not past the client's departure (a client that
+    holds its batches and leaves, or a server closing, must not leave this task waiting)."""
+    now = placements.place_now(buffers)
+    if now is not None:
+        return now
+    arena = placements.arena
+    with placements.waiting():  # meanwhile a resident placement is released when its last holder frees it
+        placing = asyncio.ensure_future(arena.place_wait(buffers))
+        returned = False
+        try:
+            while True:
+                done, _ = await asyncio.wait({placing}, timeout=0.25)
+                if done:
+                    pairs: list[tuple[int, int]] = placing.result()
+                    returned = True
+                    return pairs
+                if conn.closed:
+                    raise TransportError(f"{conn.description}: closed while waiting for room in the arena")
+        finally:
+            if not placing.done():
+                placing.cancel()
+                with contextlib.suppress(asyncio.CancelledError, DissocError):
+                    await placing
+            if not returned and placing.done() and not placing.cancelled() and placing.exception() is None:
+                # placed, but nobody will list it
+                arena.release_many(offset for offset, _ in placing.result())
 
 
 async def _send_error(conn: Connection, role: Role, message: bytes) -> None:
@@ -239,7 +295,7 @@ def _split_body(metadata: Any, body: list[Any]) -> list[Any]:
 
 async def _serve_free_data(conn: Connection, role: Role, options: ServeOptions) -> None:
     """Apply the client's free_data messages; a bad one is reported to this client and ends its connection."""
-    assert options.free_data is not None and options.ledger is not None
+    assert options.free_data is not None and options.ledger is not None and options.placements is not None
     while True:
         try:
             msg = await conn.recv_tagged(options.free_data)
@@ -252,7 +308,7 @@ async def _serve_free_data(conn: Connection, role: Role, options: ServeOptions) 
             await _send_error(conn, role, encode_error(0, "bad_free_data", str(e)))
             await conn.close()
             return
-        options.arena.release_many(offset for offset, _ in freed)
+        options.placements.release(conn, freed)
 
 
 async def serve_connection(conn: Connection, role: Role, catalog: Catalog, options: ServeOptions) -> None:
@@ -267,11 +323,12 @@ async def serve_connection(conn: Connection, role: Role, catalog: Catalog, optio
             frees.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await frees
-            assert options.ledger is not None
-            # The client is gone: everything still listed to it can be reused.
+            assert options.ledger is not None and options.placements is not None
+            # The client is gone: everything still listed to it can be reused (resident placements once no
+            # other client holds them, and the arena needs the room).
             ranges = options.ledger.drop(conn)
             if ranges:
-                options.arena.release_many(offset for offset, _ in ranges)
+                options.placements.release(conn, ranges)
 
 
 async def _serve_requests(conn: Connection, role: Role, catalog: Catalog, options: ServeOptions) -> None:
@@ -287,7 +344,17 @@ async def _serve_requests(conn: Connection, role: Role, catalog: Catalog, option
         except DissocError as e:
             await _send_error(conn, role, encode_error(0, "unknown_ticket", str(e)))
             continue
-        await stream_dataset(conn, role, dataset, options)
+        await stream_dataset(conn, role, dataset, options, current=_served_now(catalog, dataset))
+
+
+def _served_now(catalog: Catalog, dataset: Dataset) -> Callable[[], bool]:
+    def current() -> bool:
+        try:
+            return catalog.get(dataset.name) is dataset
+        except DissocError:
+            return False
+
+    return current
 
 
 class RoleServer:

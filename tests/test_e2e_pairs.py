@@ -69,9 +69,12 @@ async def test_pairs_round_trip_and_everything_is_freed(split: bool, tmp_path: P
         for ticket in ("t", "stored"):
             got = await fetch_async(srv.uri, ticket, data_uri=srv.data_uri)
             assert got.equals(table)
-        assert srv.arena is not None
-        arena = srv.arena
-        assert await _until(lambda: arena.used_bytes == 0), f"{arena.used_bytes} bytes never freed"
+        assert srv.arena is not None and srv.placements is not None
+        arena, placements = srv.arena, srv.placements
+        # Every client freed everything: what stays in the arena is resident placements nobody holds.
+        assert await _until(lambda: placements.held_bytes == 0), f"{placements.held_bytes} bytes never freed"
+        assert placements.evict_idle() > 0
+        assert arena.used_bytes == 0
     assert segment not in _segments(), "the server's segment must be unlinked when it closes"
 
 
@@ -91,15 +94,15 @@ async def test_a_dataset_larger_than_the_arena_streams_through_it() -> None:
 async def test_a_client_that_leaves_gives_its_ranges_back() -> None:
     table = _table(200_000)
     async with Server({"t": table.combine_chunks()}, body="pairs", arena_bytes=64 << 20) as srv:
-        arena = srv.arena
-        assert arena is not None
+        arena, placements = srv.arena, srv.placements
+        assert arena is not None and placements is not None
         conn = await connect_tcp("127.0.0.1", DissocURI.parse(srv.uri).port)
         await conn.send_tagged(DissocURI.parse(srv.uri).want_data, b"t")
         # Take the body messages but never free them, then leave.
         await asyncio.wait_for(conn.recv_tagged(0, 0), 10)
         assert await _until(lambda: arena.used_bytes > 0)
         await conn.close()
-        assert await _until(lambda: arena.used_bytes == 0), "a departed client's ranges must be released"
+        assert await _until(lambda: placements.held_bytes == 0), "a departed client's ranges must be released"
         got = await fetch_async(srv.uri, "t", data_uri=srv.data_uri)  # and the server still serves
         assert got.equals(table)
 

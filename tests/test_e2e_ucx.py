@@ -712,13 +712,13 @@ async def test_pairs_over_shared_memory_round_trip_and_ledger_drains(
         data = DissocURI.parse(data_uri)
         assert data.scheme == "ucx" and data.memory == "shm"
         assert data.remote_handle is not None and data.free_data is not None and "worker" in data.params
-        arena = server.arena
-        assert arena is not None
+        placements = server.placements
+        assert placements is not None
         for ticket in ("t", "stored"):
             got = await fetch(server, ticket, path)
             assert got.equals(table)
-            assert await eventually(lambda: arena.used_bytes == 0, 10), (
-                f"{arena.used_bytes} bytes never freed"
+            assert await eventually(lambda: placements.held_bytes == 0, 10), (
+                f"{placements.held_bytes} bytes never freed"
             )
         assert await eventually(lambda: listener_connections(server) == 0, 20)
     assert not _segment_exists(data_uri), "the server's segment must be unlinked when it closes"
@@ -735,9 +735,9 @@ async def test_pairs_dataset_larger_than_the_arena_streams_through_it() -> None:
             assert b.column(0).equals(batch.column(0))
             n += 1
         assert n == 40
-        assert server.arena is not None
-        arena = server.arena
-        assert await eventually(lambda: arena.used_bytes == 0, 10)
+        placements = server.placements
+        assert placements is not None
+        assert await eventually(lambda: placements.held_bytes == 0, 10)
 
 
 @pytest.mark.parametrize("path", ["listener", "address"])
@@ -746,8 +746,8 @@ async def test_pairs_client_that_leaves_without_freeing_gives_its_ranges_back(pa
 
     table = _pairs_table(200_000).combine_chunks()
     async with ucx_server({"t": table}, body="pairs", memory="shm", arena_bytes=64 << 20) as server:
-        arena = server.arena
-        assert arena is not None
+        arena, placements = server.arena, server.placements
+        assert arena is not None and placements is not None
         uri = DissocURI.parse(server.uri)
         conn = await within(20, connect_ucx(uri.host, uri.port, worker=uri.params["worker"], path=path))
         try:
@@ -757,7 +757,9 @@ async def test_pairs_client_that_leaves_without_freeing_gives_its_ranges_back(pa
             assert await eventually(lambda: arena.used_bytes > 0, 10)
         finally:
             await conn.close()  # never freed anything
-        assert await eventually(lambda: arena.used_bytes == 0, 10), "a departed client's ranges must be freed"
+        assert await eventually(lambda: placements.held_bytes == 0, 10), (
+            "a departed client's ranges must be freed"
+        )
         assert (await fetch(server, "t", path)).equals(table)
 
 

@@ -7,12 +7,15 @@ tagged <free_data> message is received"). The :class:`Ledger` is that bookkeepin
 no memory and does no I/O. The driver calls
 
 * :meth:`Ledger.record` after listing ranges to a client,
-* :meth:`Ledger.free` when a free_data message arrives (then releases the freed offsets in its arena),
-* :meth:`Ledger.drop` when a client disconnects (then releases everything returned),
+* :meth:`Ledger.free` when a free_data message arrives (then lets go of the freed ranges for that client),
+* :meth:`Ledger.drop` when a client disconnects (then lets go of everything returned, for that client),
 * :meth:`Ledger.would_fit` before placing a batch, to keep the bytes outstanding under ``capacity_bytes``.
 
-Ranges are keyed by their offset/address, which is unique among live ranges (the arena hands out each
-offset once until it is released). Zero-length ranges (the ``(0, 0)`` pairs of empty buffers) are never
+Ranges are keyed by their offset/address. A range may be live for *several* clients at once -- a resident
+placement (:mod:`dissoc.placements`) is listed to every client that asks for it -- and then each of those
+clients holds its own listing of it and frees that listing once; the memory itself may be reused only when
+no client holds it any more (:meth:`Ledger.holders_of` is empty), which is the driver's business. Within one
+client an offset is live at most once. Zero-length ranges (the ``(0, 0)`` pairs of empty buffers) are never
 recorded, so a client must not list them in free_data.
 """
 
@@ -38,26 +41,31 @@ def _as_u64(value: object, what: str) -> int:
 
 
 class Ledger:
-    """Per-client live ranges awaiting free_data.
+    """Per-client live ranges awaiting free_data; a range may be listed to several clients at once.
 
     ``client`` keys are opaque and hashable (a connection object, an id...). ``capacity_bytes`` bounds the
-    total bytes outstanding across all clients as far as :meth:`would_fit` is concerned; :meth:`record`
-    itself does not refuse ranges (the memory is already placed by then), so the driver asks
-    :meth:`would_fit` (or waits on its arena) *before* placing a batch.
+    bytes outstanding as far as :meth:`would_fit` is concerned; :meth:`record` itself does not refuse ranges
+    (the memory is already placed by then), so the driver asks :meth:`would_fit` (or waits on its arena)
+    *before* placing a batch.
+
+    Bytes are counted two ways: :attr:`live_bytes` counts each live range once, however many clients hold
+    it (the memory pinned), while :meth:`live_bytes_of` counts what one client holds, so a range shared by
+    two clients counts in both of theirs (the sum over clients is at least :attr:`live_bytes`).
 
     Every method is atomic: one that raises changes nothing.
     """
 
-    __slots__ = ("_by_client", "_bytes_of", "_capacity", "_live_bytes", "_owner")
+    __slots__ = ("_by_client", "_bytes_of", "_capacity", "_holders", "_length", "_live_bytes")
 
     def __init__(self, capacity_bytes: int) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
             raise ValueError(f"capacity_bytes: expected a non-negative int, got {capacity_bytes!r}")
         self._capacity = capacity_bytes
         self._by_client: dict[Hashable, dict[int, int]] = {}  # client -> {offset: length}
-        self._bytes_of: dict[Hashable, int] = {}  # client -> live bytes
-        self._owner: dict[int, Hashable] = {}  # offset -> client
-        self._live_bytes = 0
+        self._bytes_of: dict[Hashable, int] = {}  # client -> bytes it holds
+        self._holders: dict[int, dict[Hashable, None]] = {}  # offset -> clients holding it, in listing order
+        self._length: dict[int, int] = {}  # offset -> length of the live range there
+        self._live_bytes = 0  # each live range once
 
     # -- queries --------------------------------------------------------------------------------------------
 
@@ -68,16 +76,16 @@ class Ledger:
 
     @property
     def live_bytes(self) -> int:
-        """Bytes listed to any client and not yet freed or dropped."""
+        """Bytes of the ranges live for at least one client, each range counted once."""
         return self._live_bytes
 
     @property
     def live_ranges(self) -> int:
-        """Number of live ranges across all clients."""
-        return len(self._owner)
+        """Number of distinct live ranges (a range listed to several clients counts once)."""
+        return len(self._length)
 
     def live_bytes_of(self, client: Hashable) -> int:
-        """Bytes ``client`` still holds (0 for a client the ledger does not know)."""
+        """Bytes ``client`` still holds, shared ranges included (0 for a client the ledger does not know)."""
         return self._bytes_of.get(client, 0)
 
     def ranges_of(self, client: Hashable) -> list[tuple[int, int]]:
@@ -88,23 +96,31 @@ class Ledger:
         """Clients that hold at least one live range."""
         return list(self._by_client)
 
+    def holders_of(self, offset: int) -> list[Hashable]:
+        """The clients holding the live range at ``offset``, in the order it was listed to them (``[]`` when
+        none does: the memory there may be reused as far as the free_data rules go)."""
+        return list(self._holders.get(offset, ()))
+
     def owner_of(self, offset: int) -> Hashable | None:
-        """The client holding the live range at ``offset``, or ``None``."""
-        return self._owner.get(offset)
+        """The first client still holding the range at ``offset``, or ``None`` (see :meth:`holders_of`; the
+        two agree while a range has at most one holder)."""
+        holders = self._holders.get(offset)
+        return next(iter(holders)) if holders else None
 
     def would_fit(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more could be listed without exceeding ``capacity_bytes``."""
+        """Whether ``nbytes`` more could be listed without exceeding ``capacity_bytes`` (shared ranges count
+        once, as in :attr:`live_bytes`)."""
         if nbytes < 0:
             raise ValueError(f"nbytes: expected a non-negative int, got {nbytes!r}")
         return self._live_bytes + nbytes <= self._capacity
 
     def __len__(self) -> int:
-        return len(self._owner)
+        return len(self._length)
 
     def __repr__(self) -> str:
         return (
             f"Ledger(capacity_bytes={self._capacity}, live_bytes={self._live_bytes}, "
-            f"ranges={len(self._owner)}, clients={len(self._by_client)})"
+            f"ranges={len(self._length)}, clients={len(self._by_client)})"
         )
 
     # -- updates --------------------------------------------------------------------------------------------
@@ -112,15 +128,18 @@ class Ledger:
     def record(
         self, client: Hashable, pairs: Iterable[tuple[int, int]] | npt.NDArray[np.integer[Any]]
     ) -> int:
-        """Record the ranges just listed to ``client``; returns the bytes recorded.
+        """Record the ranges just listed to ``client``; returns the bytes recorded for it.
 
         ``pairs`` is a sequence of (offset, length) or an ``(n, 2)`` integer array (``PairList.pairs``).
-        Zero-length entries (the ``(0, 0)`` pairs of empty buffers) are ignored. Raises :class:`ValueError`
-        (a bug in the server, not bad input from the wire) if a value is not a u64, or an offset is already
-        live (for this or another client) or repeated in ``pairs``; then nothing is recorded.
+        Zero-length entries (the ``(0, 0)`` pairs of empty buffers) are ignored. An offset live for other
+        clients may be listed to this one too (a shared, resident range), with the same length. Raises
+        :class:`ValueError` (a bug in the server, not bad input from the wire) if a value is not a u64, an
+        offset is already live for this client or repeated in ``pairs``, or a shared offset comes with
+        another length; then nothing is recorded.
         """
         new: dict[int, int] = {}
         rows: Iterable[Any] = pairs.tolist() if isinstance(pairs, np.ndarray) else pairs
+        mine = self._by_client.get(client, {})
         for item in rows:
             if len(item) != 2:
                 raise ValueError(f"ledger: expected (offset, length) pairs, got {item!r}")
@@ -128,30 +147,43 @@ class Ledger:
             length = _as_u64(item[1], "ledger length")
             if length == 0:
                 continue
-            if offset in new or offset in self._owner:
+            if offset in new or offset in mine:
                 raise ValueError(
-                    f"ledger: expected each live offset once, got offset {offset:#x} again "
-                    f"(already listed to {self._owner.get(offset, client)!r})"
+                    f"ledger: expected each live offset once per client, got offset {offset:#x} again "
+                    f"for {client!r}"
+                )
+            live = self._length.get(offset)
+            if live is not None and live != length:
+                raise ValueError(
+                    f"ledger: expected offset {offset:#x} with its live length {live}, got length {length} "
+                    f"(listed to {self.holders_of(offset)!r})"
                 )
             new[offset] = length
         if not new:
             return 0
         added = sum(new.values())
         self._by_client.setdefault(client, {}).update(new)
-        self._owner.update(dict.fromkeys(new, client))
+        for offset, length in new.items():
+            holders = self._holders.get(offset)
+            if holders is None:
+                self._holders[offset] = {client: None}
+                self._length[offset] = length
+                self._live_bytes += length
+            else:
+                holders[client] = None
         self._bytes_of[client] = self._bytes_of.get(client, 0) + added
-        self._live_bytes += added
         return added
 
     def free_ranges(
         self, client: Hashable, addresses: Sequence[int] | Iterable[int]
     ) -> list[tuple[int, int]]:
-        """Free ``addresses`` for ``client`` (one free_data message); returns the ranges released.
+        """Free ``client``'s listing of ``addresses`` (one free_data message); returns the ranges it let go.
 
-        All-or-nothing: if any address is not a live range of ``client`` -- unknown, already freed, repeated
-        in the message, or listed to another client -- raises :class:`~dissoc.errors.ProtocolError` naming
-        it and frees nothing of this message. The caller then answers that client only; other clients'
-        ranges are never touched.
+        Other clients' listings of the same ranges are untouched (see :meth:`holders_of` for whether a range
+        is now free of every client). All-or-nothing: if any address is not a live range of ``client`` --
+        unknown, already freed by it, repeated in the message, or listed only to other clients -- raises
+        :class:`~dissoc.errors.ProtocolError` naming it and frees nothing of this message. The caller then
+        answers that client only; other clients' ranges are never touched.
         """
         mine = self._by_client.get(client, {})
         seen: set[int] = set()
@@ -167,7 +199,7 @@ class Ledger:
             seen.add(address)
             length = mine.get(address)
             if length is None:
-                if address in self._owner:
+                if address in self._holders:
                     raise ProtocolError(
                         f"free_data: expected an address listed to this client, got {address:#x}, "
                         "which was listed to another client"
@@ -182,31 +214,34 @@ class Ledger:
         freed = 0
         for address, length in released:
             del mine[address]
-            del self._owner[address]
+            self._unhold(address, client)
             freed += length
-        self._settle(client, freed)
-        return released
-
-    def free(self, client: Hashable, addresses: Sequence[int] | Iterable[int]) -> int:
-        """Like :meth:`free_ranges`, returning the number of bytes released."""
-        return sum(length for _, length in self.free_ranges(client, addresses))
-
-    def drop(self, client: Hashable) -> list[tuple[int, int]]:
-        """Forget ``client`` (it disconnected); returns its live ranges, sorted, for the caller to free."""
-        mine = self._by_client.pop(client, None)
-        if not mine:
-            self._bytes_of.pop(client, None)
-            return []
-        for address in mine:
-            del self._owner[address]
-        self._live_bytes -= self._bytes_of.pop(client)
-        return sorted(mine.items())
-
-    def _settle(self, client: Hashable, freed: int) -> None:
-        self._live_bytes -= freed
         left = self._bytes_of[client] - freed
-        if self._by_client[client]:
+        if mine:
             self._bytes_of[client] = left
         else:  # keep the maps small: a client with nothing live is forgotten
             del self._by_client[client]
             del self._bytes_of[client]
+        return released
+
+    def free(self, client: Hashable, addresses: Sequence[int] | Iterable[int]) -> int:
+        """Like :meth:`free_ranges`, returning the number of bytes ``client`` let go."""
+        return sum(length for _, length in self.free_ranges(client, addresses))
+
+    def drop(self, client: Hashable) -> list[tuple[int, int]]:
+        """Forget ``client`` (it disconnected); returns exactly its live ranges, sorted, for the caller to let
+        go of (other clients' listings of shared ranges stay)."""
+        mine = self._by_client.pop(client, None)
+        self._bytes_of.pop(client, None)
+        if not mine:
+            return []
+        for address in mine:
+            self._unhold(address, client)
+        return sorted(mine.items())
+
+    def _unhold(self, address: int, client: Hashable) -> None:
+        holders = self._holders[address]
+        del holders[client]
+        if not holders:
+            del self._holders[address]
+            self._live_bytes -= self._length.pop(address)
