@@ -1,7 +1,7 @@
 """Time to one batch: pairs in shared memory read zero-copy vs Arrow Flight ``do_get`` (not run by pytest).
 
 For each size N (default 1, 16, 64 and 256 MiB) one Arrow IPC file holding a single batch of N MiB (2 int64
-columns) is written, and served by two server subprocesses:
+columns) is written, and served by server subprocesses:
 
 - ``flight do_get``: a pyarrow.flight server (``flight.RecordBatchStream`` over the memory-mapped table); the
   client (one ``FlightClient``, connected once) calls ``do_get`` and reads the first chunk;
@@ -9,16 +9,20 @@ columns) is written, and served by two server subprocesses:
   calls ``dissoc.client.open_stream(..., options=ClientOptions(zero_copy=True))`` and ``read_next_batch()``:
   the batch's buffers are the server's shared-memory segment itself, nothing is copied on the client;
 - ``dissoc pairs-shm copy``: the same in copy mode (the client copies the buffers out of the segment), for
-  reference.
+  reference;
+- ``dissoc zero-copy, placed per request``: zero-copy from a server with ``resident=False``, which copies the
+  batch into its arena for every request (what every request cost before placements became resident).
+
+The dissoc servers keep placed batches resident (the default): the warm-up request places the file's batch
+in the arena once, and the timed requests are listed the same ranges, with nothing copied by anyone.
 
 Two times per request, both ending when the client holds the batch as a ``pa.RecordBatch``:
 
-- **ask->batch**: from the client's call (``do_get`` / ``open_stream``) on. It includes the dissoc client's
-  connection set-up (one per stream) and, for pairs, the server's copy of the batch into its arena (the
-  server places every batch there before it sends the pairs), so it grows with N for dissoc too;
+- **ask->batch**: from the client's call (``do_get`` / ``open_stream``) on: the time to a batch. It includes
+  the dissoc client's connection set-up (one per stream; Flight's client is connected once);
 - **ready->batch**: from the moment the server has the batch ready to send: for Flight, when its ``do_get``
-  handler is entered (the table is already in memory); for dissoc, when the batch has been placed in the
-  shared-memory arena (the server subprocess wraps ``dissoc.serving._place`` to note the time). Both
+  handler is entered (the table is already in memory); for dissoc, when the batch's ranges in the arena are
+  listed to the client (found resident, or placed: the server subprocess wraps ``Placements.acquire``). Both
   processes read ``time.monotonic_ns()`` (CLOCK_MONOTONIC, one clock for the whole machine).
 
 Each figure is the median of ``--repeat`` requests after one warm-up; ratios are Flight's median over the
@@ -34,6 +38,7 @@ Server entry points (started by this script)::
 
     python benchmarks/pairs_latency.py serve-flight FILE...   # {"ticket", "uri"} per file, then ready lines
     python benchmarks/pairs_latency.py serve-dissoc FILE...   # {"ticket", "uri", "data_uri"} per file, ...
+    python benchmarks/pairs_latency.py serve-dissoc-placing FILE...   # the same with resident=False
 """
 
 from __future__ import annotations
@@ -118,32 +123,31 @@ def serve_flight(paths: Sequence[Path]) -> None:
     server.serve()
 
 
-async def _serve_dissoc(paths: Sequence[Path]) -> None:
-    import dissoc.serving as serving
+async def _serve_dissoc(paths: Sequence[Path], resident: bool = True) -> None:
     from dissoc.datasets import dataset_from
+    from dissoc.placements import Placements
     from dissoc.server import Server
 
-    original = getattr(serving, "_place", None)
-    hooked = original is not None
-    if original is not None:
+    original = Placements.acquire
 
-        async def timed_place(*args: Any, **kwargs: Any) -> Any:
-            pairs = await original(*args, **kwargs)
-            _emit({"ready_ns": time.monotonic_ns()})
-            return pairs
+    async def timed_acquire(self: Any, *args: Any, **kwargs: Any) -> Any:
+        pairs = await original(self, *args, **kwargs)
+        _emit({"ready_ns": time.monotonic_ns()})
+        return pairs
 
-        serving._place = timed_place
-
+    Placements.acquire = timed_acquire  # type: ignore[method-assign]
     datasets = {path.stem: dataset_from(path) for path in paths}
     largest = max(path.stat().st_size for path in paths)
     arena = max(1 << 30, 4 * largest)
-    async with Server(datasets, transport="tcp", body="pairs", memory="shm", arena_bytes=arena) as server:
+    async with Server(
+        datasets, transport="tcp", body="pairs", memory="shm", arena_bytes=arena, resident=resident
+    ) as server:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         for name in datasets:
-            _emit({"ticket": name, "uri": server.uri, "data_uri": server.data_uri, "ready_hook": hooked})
+            _emit({"ticket": name, "uri": server.uri, "data_uri": server.data_uri, "ready_hook": True})
         await stop.wait()
 
 
@@ -222,6 +226,7 @@ PATHS: list[tuple[str, str, Callable[[dict[str, Any], contextlib.ExitStack], Req
     (FLIGHT_LABEL, "serve-flight", _flight_client),
     (ZERO_COPY_LABEL, "serve-dissoc", _dissoc_client(zero_copy=True)),
     ("dissoc pairs-shm copy", "serve-dissoc", _dissoc_client(zero_copy=False)),
+    ("dissoc zero-copy, placed per request", "serve-dissoc-placing", _dissoc_client(zero_copy=True)),
 ]
 
 
@@ -365,7 +370,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "command", nargs="?", choices=["serve-flight", "serve-dissoc"], help=argparse.SUPPRESS
+        "command",
+        nargs="?",
+        choices=["serve-flight", "serve-dissoc", "serve-dissoc-placing"],
+        help=argparse.SUPPRESS,
     )
     parser.add_argument("files", nargs="*", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--sizes", help="batch sizes in MiB, comma-separated (default 1,16,64,256)")
@@ -382,8 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(KeyboardInterrupt):
             serve_flight(args.files)
         return 0
-    if args.command == "serve-dissoc":
-        asyncio.run(_serve_dissoc(args.files))
+    if args.command in ("serve-dissoc", "serve-dissoc-placing"):
+        asyncio.run(_serve_dissoc(args.files, resident=args.command == "serve-dissoc"))
         return 0
 
     sizes = (

@@ -36,6 +36,7 @@ from dissoc.errors import DissocError, ProtocolError, ResourceError
 from dissoc.memory.device import IPC_HANDLE_BYTES, DeviceAllocation, DeviceBackend, get_backend
 from dissoc.memory.shm import ShmArena, ShmView, cleanup_stale
 from dissoc.protocol import PairList
+from dissoc.transport.base import DEFAULT_POOL
 from dissoc.uri import DissocURI
 
 __all__ = ["MEMORY_KINDS", "PairReader", "ServedArena", "cuda_region", "open_pair_reader"]
@@ -125,6 +126,8 @@ class PairReader:
     """
 
     zero_copy = False
+    #: What the pairs point at (the data URI's ``memory``).
+    memory = "shm"
 
     def read(self, pairs: PairList) -> tuple[list[pa.Buffer | None], list[int]]:
         """One host buffer per pair (None for an empty one), and the offsets that may be freed now."""
@@ -154,8 +157,20 @@ class _ShmCopy(PairReader):
 
     def read(self, pairs: PairList) -> tuple[list[pa.Buffer | None], list[int]]:
         views = self.view.buffers(pairs)
-        # Copy mode: the batch owns private memory, so every range can be freed at once.
-        out: list[pa.Buffer | None] = [None if v.size == 0 else pa.py_buffer(v.to_pybytes()) for v in views]
+        # Copy mode: the batch owns private memory, so every range can be freed at once. One pooled buffer per
+        # batch (memory of released batches is reused: fresh pages would cost more than the copy).
+        sizes = [(v.size + 63) & ~63 for v in views]
+        dest = DEFAULT_POOL.allocate(max(sum(sizes), 1))
+        whole = pa.py_buffer(dest)
+        out: list[pa.Buffer | None] = []
+        at = 0
+        for v, size in zip(views, sizes, strict=True):
+            if v.size == 0:
+                out.append(None)
+                continue
+            np.copyto(dest[at : at + v.size], np.frombuffer(v, np.uint8))
+            out.append(whole.slice(at, v.size))
+            at += size
         return out, [int(a) for a, n in pairs.pairs.tolist() if n]
 
     def close(self) -> None:
@@ -235,6 +250,8 @@ def _rma_endpoint(worker: bytes) -> Any:
 class _UcxGet(PairReader):
     """Reads every listed range with one-sided UCX GETs into a private buffer, then frees at once."""
 
+    memory = "ucx"
+
     def __init__(self, uri: DissocURI, timeout: float) -> None:
         params = uri.params
         try:
@@ -257,7 +274,7 @@ class _UcxGet(PairReader):
         rows = pairs.pairs.tolist()
         sizes = [(n + 63) & ~63 for _, n in rows]
         total = sum(sizes)
-        dest = np.empty(max(total, 1), dtype=np.uint8)
+        dest = DEFAULT_POOL.allocate(max(total, 1))
         requests = []
         out: list[pa.Buffer | None] = []
         at = 0
@@ -328,6 +345,8 @@ class _CudaReader(PairReader):
     released) or device-to-device copies (freed at once). :meth:`close` unmaps, or, while zero-copy views are
     alive, leaves that to the release of the last of them.
     """
+
+    memory = "cuda"
 
     def __init__(
         self,
@@ -412,6 +431,25 @@ class _CudaReader(PairReader):
             at += size
         backend.synchronize()  # the copies must be done before the server may reuse the ranges
         return out, offsets
+
+    def device_span(self, pairs: PairList) -> tuple[Any | None, int, int]:
+        """Zero-copy device landing of a whole batch: one view over the mapping from the batch's first range
+        to the end of its last, and those two offsets; the batch's ranges are freed (``on_release``) when
+        the last view over it is released. ``(None, 0, 0)`` when every range is empty (nothing to free)."""
+        allocation, rows = self._rows(pairs)
+        offsets = [offset for offset, n in rows if n]
+        if not offsets:
+            return None, 0, 0
+        low = min(offsets)
+        high = max(offset + n for offset, n in rows if n)
+        with self._lock:
+            if self._closed:
+                raise ResourceError("device pair reader: expected an open reader, got a closed one")
+            self.outstanding += 1
+            self.idle.clear()
+        lease = _DeviceLease(allocation)
+        weakref.finalize(lease, self._released, offsets)
+        return self.backend.view(allocation, low, high - low, owner=lease), low, high
 
     def _released(self, offsets: list[int]) -> None:
         # Runs in whichever thread dropped the batch's last view.
