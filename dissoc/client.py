@@ -20,7 +20,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import pyarrow as pa
 
@@ -43,7 +43,15 @@ from dissoc.protocol import (
 )
 from dissoc.protocol.framing import ErrorMessage
 from dissoc.transport import Connection, connect
+from dissoc.transport.base import default_allocator, device_nbytes
 from dissoc.uri import DissocURI
+
+if TYPE_CHECKING:
+    from dissoc.device import DeviceBatch
+    from dissoc.device_landing import DeviceLanding
+
+#: What a stream yields: host batches, or device batches with ``ClientOptions(landing="device")``.
+Batch: TypeAlias = "pa.RecordBatch | DeviceBatch"
 
 __all__ = [
     "ClientOptions",
@@ -80,7 +88,11 @@ class ClientOptions:
     ``zero_copy``: pairs in shared memory (``memory=shm``) become batches over the mapped segment itself, no
     copy; each batch's ranges are freed when the batch is released, and the data connection stays open until
     every such batch is (the server would reuse the memory otherwise). Synchronous calls then run the stream
-    on a background event loop that outlives the call.
+    on a background event loop that outlives the call. With ``landing="device"`` and ``memory=cuda`` pairs,
+    batches are views over the server's device allocation (CUDA IPC), freed the same way.
+    ``landing``: where batches land, whatever memory the server keeps them in: ``"host"`` (``pa.RecordBatch``)
+    or ``"device"`` (:class:`dissoc.device.DeviceBatch`, CUDA memory through CuPy; needs the ``gpu`` extra and
+    uncompressed bodies). See :mod:`dissoc.device_landing` for how each body gets there.
     """
 
     timeout: float = 30.0
@@ -91,6 +103,7 @@ class ClientOptions:
     ordered_metadata: bool | None = None
     ucx_path: str = "auto"
     zero_copy: bool = False
+    landing: str = "host"
 
 
 @dataclass(slots=True)
@@ -100,6 +113,11 @@ class FetchStats:
     batches: int = 0
     rows: int = 0
     bytes: int = 0
+
+
+def _nbytes(body: Any) -> int:
+    size = device_nbytes(body)
+    return size if size is not None else memoryview(body).nbytes
 
 
 def _ticket_bytes(ticket: str | bytes) -> bytes:
@@ -146,6 +164,13 @@ class _Session:
         self.pairs: PairReader | None = None
         self.to_free: list[int] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.device: DeviceLanding | None = None
+        if options.landing == "device":
+            from dissoc.device_landing import DeviceLanding
+
+            self.device = DeviceLanding()
+        elif options.landing != "host":
+            raise DissocError(f"landing: expected 'host' or 'device', got {options.landing!r}")
         if data_uri.memory is not None:
             self.pairs = open_pair_reader(
                 data_uri, zero_copy=options.zero_copy, on_release=self._released, timeout=options.timeout
@@ -203,6 +228,16 @@ class _Session:
         if self.split:
             data = await self._connect(self.data_uri)
             self.conns.append(data)
+        device = self.device
+        if device is not None and device.receives_on_device and data.device_memory:
+            # Packed bodies go straight into device memory; the small tagged messages (pairs, errors) stay
+            # on the host, where they are parsed.
+            def allocate(tag: int, length: int) -> Any:
+                if tag >> 56 == BODY_PACKED:
+                    return device.allocate(length)
+                return default_allocator(tag, length)
+
+            data.set_allocator(allocate)
         await meta.send_tagged(self.meta_uri.want_data, self.ticket)
         if self.split:
             await data.send_tagged(self.data_uri.want_data, self.ticket)
@@ -304,7 +339,7 @@ class _Session:
                 raise ProtocolError(f"data stream: an error tag carried a {type(err).__name__}, not an error")
             seq = msg.tag & 0xFFFFFFFF
             await self._wait_window(seq)
-            n = msg.view().nbytes
+            n = msg.nbytes
             self.in_flight += n
             if self.in_flight >= limit and not self.reading_paused:
                 # Enough bodies wait for the consumer: stop reading (TCP then pushes back on the server).
@@ -312,29 +347,35 @@ class _Session:
                 conn.pause_reading()
             self._publish(self.stream.receive_body(msg.tag, msg.payload, n))
 
-    def decode(self, ev: MessageReady | SchemaReceived) -> pa.RecordBatch | None:
+    def decode(self, ev: MessageReady | SchemaReceived) -> Batch | None:
         if isinstance(ev, SchemaReceived):
+            if self.device is not None:
+                self.device.schema(ev.metadata)
             return self.decoder.decode(ev.metadata)
         if ev.body_type == BODY_PAIRS:
             return self._decode_pairs(ev)
         if ev.body_type != BODY_PACKED:
             raise ProtocolError(f"message {fmt_seq(ev.seq)}: unknown body type {ev.body_type}")
         body = ev.body
-        n = memoryview(body).nbytes if body is not None else 0  # type: ignore[arg-type]
+        n = 0 if body is None else _nbytes(body)
         self.in_flight -= n
         if self.reading_paused and self.in_flight < self.options.max_in_flight_bytes // 2:
             self.reading_paused = False
             if self.data_conn is not None:
                 self.data_conn.resume_reading()
         self.flow.set()
-        batch = self.decoder.decode(ev.metadata, body)
+        batch: Batch | None
+        if self.device is not None:
+            batch = self.device.packed(ev.metadata, body)
+        else:
+            batch = self.decoder.decode(ev.metadata, body)
         if batch is not None:
             self.stats.batches += 1
             self.stats.rows += batch.num_rows
             self.stats.bytes += n
         return batch
 
-    def _decode_pairs(self, ev: MessageReady) -> pa.RecordBatch | None:
+    def _decode_pairs(self, ev: MessageReady) -> Batch | None:
         """Body type 1: read the listed ranges (copy, zero-copy or RMA); free what is done."""
         if self.pairs is None:
             raise ProtocolError(
@@ -342,9 +383,14 @@ class _Session:
             )
         pairs = ev.body
         assert isinstance(pairs, PairList)
-        buffers, done = self.pairs.read(pairs)
-        self.to_free.extend(done)
-        batch = self.decoder.decode_scattered(ev.metadata, buffers)
+        batch: Batch | None
+        if self.device is not None:
+            batch, done = self.device.pairs(ev.metadata, pairs, self.pairs)
+            self.to_free.extend(done)
+        else:
+            buffers, done = self.pairs.read(pairs)
+            self.to_free.extend(done)
+            batch = self.decoder.decode_scattered(ev.metadata, buffers)
         if batch is not None:
             self.stats.batches += 1
             self.stats.rows += batch.num_rows
@@ -401,7 +447,7 @@ async def stream_chunks(
     options: ClientOptions | None = None,
     stats: FetchStats | None = None,
     on_schema: Callable[[pa.Schema], None] | None = None,
-) -> AsyncGenerator[list[pa.RecordBatch], None]:
+) -> AsyncGenerator[list[Batch], None]:
     """Like :func:`stream_batches`, but yields every batch that is already complete at once, as a list.
 
     Waits only when nothing is ready; consumers that pay a fixed cost per resumption (the synchronous
@@ -415,7 +461,7 @@ async def stream_chunks(
         await session.start()
         ended = False
         while not ended:
-            chunk: list[pa.RecordBatch] = []
+            chunk: list[Batch] = []
             ev = await session.next_event()
             while True:
                 if isinstance(ev, StreamEnded):
@@ -457,8 +503,9 @@ async def stream_batches(
     options: ClientOptions | None = None,
     stats: FetchStats | None = None,
     on_schema: Callable[[pa.Schema], None] | None = None,
-) -> AsyncIterator[pa.RecordBatch]:
-    """Yield the stream's batches in sequence order, each as soon as it is complete."""
+) -> AsyncIterator[Batch]:
+    """Yield the stream's batches in sequence order, each as soon as it is complete (``pa.RecordBatch``, or
+    :class:`~dissoc.device.DeviceBatch` with ``ClientOptions(landing="device")``)."""
     chunks = stream_chunks(uri, ticket, data_uri=data_uri, options=options, stats=stats, on_schema=on_schema)
     async with contextlib.aclosing(chunks):
         async for chunk in chunks:
@@ -487,6 +534,8 @@ async def fetch_async(
                     "endpoint's URIs"
                 )
             return await fetch_via_flight_async(uri, ticket, options=options)
+    if options is not None and options.landing != "host":
+        raise DissocError("fetch returns a host table; use fetch_device for landing='device'")
     schema: list[pa.Schema] = []
     batches = [
         b
@@ -495,6 +544,41 @@ async def fetch_async(
         )
     ]
     return pa.Table.from_batches(batches, schema=schema[0] if schema else None)
+
+
+async def fetch_device_async(
+    uri: str | DissocURI,
+    ticket: str | bytes,
+    *,
+    data_uri: str | DissocURI | None = None,
+    options: ClientOptions | None = None,
+) -> list[DeviceBatch]:
+    """Fetch a whole stream into device memory: its batches as :class:`~dissoc.device.DeviceBatch` objects
+    (``options`` with ``landing="device"`` is implied)."""
+    import dataclasses
+
+    opts = dataclasses.replace(options or ClientOptions(), landing="device")
+    out: list[DeviceBatch] = []
+    async for b in stream_batches(uri, ticket, data_uri=data_uri, options=opts):
+        assert not isinstance(b, pa.RecordBatch)
+        out.append(b)
+    return out
+
+
+def fetch_device(
+    uri: str | DissocURI,
+    ticket: str | bytes,
+    *,
+    data_uri: str | DissocURI | None = None,
+    options: ClientOptions | None = None,
+) -> list[DeviceBatch]:
+    """Synchronous :func:`fetch_device_async`."""
+    def coro() -> Any:
+        return fetch_device_async(uri, ticket, data_uri=data_uri, options=options)
+
+    if options is not None and options.zero_copy:
+        return _SharedRunner.get().run(coro())  # type: ignore[no-any-return]
+    return _run(coro)  # type: ignore[no-any-return]
 
 
 def _run(coro_factory: Callable[[], Any]) -> Any:
@@ -551,7 +635,7 @@ class StreamReader:
     ) -> None:
         self.stats = FetchStats()
         self._schema: pa.Schema | None = None
-        self._pending: deque[pa.RecordBatch] = deque()
+        self._pending: deque[Batch] = deque()
         self._done = False
         self._chunks = stream_chunks(
             uri, ticket, data_uri=data_uri, options=options, stats=self.stats, on_schema=self._set_schema
@@ -592,13 +676,13 @@ class StreamReader:
                 raise ProtocolError("the stream ended before its schema arrived")
         return self._schema
 
-    def read_next_batch(self) -> pa.RecordBatch:
+    def read_next_batch(self) -> Batch:
         while not self._pending:
             if not self._pull():
                 raise StopIteration
         return self._pending.popleft()
 
-    def __iter__(self) -> Iterator[pa.RecordBatch]:
+    def __iter__(self) -> Iterator[Batch]:
         while True:
             try:
                 yield self.read_next_batch()
@@ -606,7 +690,8 @@ class StreamReader:
                 return
 
     def read_all(self) -> pa.Table:
-        batches = list(self)
+        """The rest of the stream as a ``pa.Table`` (device batches are copied to the host)."""
+        batches = [b if isinstance(b, pa.RecordBatch) else b.to_arrow() for b in self]
         return pa.Table.from_batches(batches, schema=self.schema if self._schema is None else self._schema)
 
     def close(self) -> None:

@@ -1,0 +1,131 @@
+"""Client side of ``ClientOptions(landing="device")``: every body ends up in device memory as a DeviceBatch.
+
+Where the body arrives decides how it gets to the device, never what the consumer sees:
+
+* **packed, received into device memory** (UCX with CuPy: the data connection's allocator hands UCX device
+  buffers for body messages, and UCX's CUDA transports fill them): decoded where it lies;
+* **packed, received into host memory** (TCP, or no CUDA-capable transport): one upload of the whole body;
+* **pairs in device memory** (``memory=cuda``): zero-copy, a view over the server's mapped allocation from the
+  batch's first range to the end of its last, with the metadata's buffer offsets rewritten to point into that
+  view (the arena places a batch's buffers 64-byte aligned, not where its IPC body would have them); the
+  view's release frees the batch's ranges. Otherwise one device-to-device copy per range into a body laid out
+  as the metadata says, and the ranges are freed at once;
+* **pairs in host memory** (``shm``, ``ucx``): the ranges are read on the host, gathered as the metadata lays
+  them out, and uploaded once.
+
+Compressed bodies cannot land on the device (:class:`~dissoc.errors.CodecError`): ask the server for
+uncompressed ones, or land on the host.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from dissoc.codec import parse
+from dissoc.codec.message import HeaderType, encode_dictionary_batch, encode_record_batch
+from dissoc.device import DeviceBatch, DeviceDecoder
+from dissoc.errors import CodecError, ProtocolError
+from dissoc.memory.device import DeviceBackend, get_backend
+from dissoc.pair_memory import PairReader
+from dissoc.protocol import PairList
+from dissoc.transport.base import device_nbytes
+
+__all__ = ["DeviceLanding"]
+
+log = logging.getLogger(__name__)
+
+
+class DeviceLanding:
+    """Turns one stream's messages into :class:`~dissoc.device.DeviceBatch` objects (see the module doc)."""
+
+    def __init__(self, backend: DeviceBackend | None = None) -> None:
+        self.backend = backend if backend is not None else get_backend()
+        self.decoder = DeviceDecoder(backend=self.backend)
+
+    @property
+    def receives_on_device(self) -> bool:
+        """Whether a CUDA-capable transport may be handed device buffers to receive into."""
+        return self.backend.name == "cupy"
+
+    def allocate(self, length: int) -> Any:
+        """A device buffer for a packed body of ``length`` bytes (the data connection's allocator)."""
+        return self.backend.empty(length)
+
+    def schema(self, metadata: Any) -> None:
+        """Take in the stream's Schema message."""
+        self.decoder.decode(bytes(metadata))
+
+    def packed(self, metadata: Any, body: Any) -> DeviceBatch | None:
+        """A packed body, in device memory or host memory."""
+        if body is None:
+            return self.decoder.decode(bytes(metadata), None)
+        if device_nbytes(body) is None and not self.backend.is_device_array(body):
+            body = self.backend.upload(body)
+        return self.decoder.decode(bytes(metadata), body)
+
+    def pairs(
+        self, metadata: Any, pairs: PairList, reader: PairReader
+    ) -> tuple[DeviceBatch | None, list[int]]:
+        """A pair-list body; returns the batch and the offsets that may be freed now."""
+        meta = bytes(metadata)
+        parsed = parse(meta)
+        if parsed.batch is None:
+            raise ProtocolError("address/length pairs arrived for a message without a body")
+        spans = parsed.batch.buffers
+        rows = pairs.pairs
+        if len(rows) != len(spans):
+            raise ProtocolError(f"the metadata lists {len(spans)} buffers, the pair list {len(rows)}")
+        lengths = rows[:, 1].astype(np.int64)
+        if bool((lengths != spans[:, 1]).any()):
+            k = int(np.flatnonzero(lengths != spans[:, 1])[0])
+            raise ProtocolError(
+                f"pair {k} lists {int(lengths[k])} bytes, the metadata says buffer {k} has {int(spans[k, 1])}"
+            )
+        span = getattr(reader, "device_span", None)
+        if span is not None and reader.zero_copy:
+            view, low, high = span(pairs)
+            if view is None:  # every buffer is empty
+                return self.decoder.decode(meta, self.backend.empty(parsed.body_length)), []
+            rewritten = _rewrite(parsed, rows, low, high - low)
+            return self.decoder.decode(rewritten, view), []
+        if reader.memory == "cuda":
+            arrays, done = reader.read_device(pairs)
+            body = self.backend.empty(parsed.body_length)
+            for (offset, n), array in zip(spans.tolist(), arrays, strict=True):
+                if n and array is not None:
+                    self.backend.copy(body[offset : offset + n], array)
+            self.backend.synchronize()
+            return self.decoder.decode(meta, body), done
+        buffers, done = reader.read(pairs)
+        host = np.zeros(parsed.body_length, np.uint8)
+        for (offset, n), buf in zip(spans.tolist(), buffers, strict=True):
+            if n and buf is not None:
+                host[offset : offset + n] = np.frombuffer(buf, np.uint8, n)
+        return self.decoder.decode(meta, self.backend.upload(host)), done
+
+
+def _rewrite(parsed: Any, rows: Any, low: int, size: int) -> bytes:
+    """The message with its buffers at the pairs' offsets relative to ``low``, its body ``size`` bytes."""
+    batch = parsed.batch
+    if batch.compression is not None:
+        raise CodecError("device landing needs uncompressed bodies; this message is compressed")
+    buffers = np.zeros_like(batch.buffers)
+    nonempty = rows[:, 1] > 0
+    buffers[:, 1] = batch.buffers[:, 1]
+    buffers[nonempty, 0] = rows[nonempty, 0].astype(np.int64) - low
+    variadic = None if batch.variadic_counts is None else [int(v) for v in batch.variadic_counts]
+    if parsed.header_type == HeaderType.DictionaryBatch:
+        return encode_dictionary_batch(
+            int(parsed.dictionary_id),
+            bool(parsed.is_delta),
+            batch.length,
+            batch.nodes,
+            buffers,
+            size,
+            None,
+            variadic,
+        )
+    return encode_record_batch(batch.length, batch.nodes, buffers, size, None, variadic)
