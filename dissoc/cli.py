@@ -55,6 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--compression", choices=["lz4", "zstd"], default=None)
     s.add_argument(
+        "--device",
+        action="store_true",
+        help="upload each dataset to the GPU and serve it from device memory (needs the gpu extra)",
+    )
+    s.add_argument(
         "--flight",
         type=int,
         default=None,
@@ -80,6 +85,17 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="how a ucx:// connection is made: through the listener, by the URI's worker address, or auto",
     )
+    g.add_argument(
+        "--landing",
+        choices=["host", "device"],
+        default="host",
+        help="where batches land: host memory, or GPU memory (copied to the host only for -o)",
+    )
+    g.add_argument(
+        "--zero-copy",
+        action="store_true",
+        help="pairs: batches over the server's shared (or, landing on the device, CUDA IPC) memory",
+    )
     return p
 
 
@@ -90,12 +106,20 @@ async def _serve(args: argparse.Namespace) -> int:
     from dissoc.datasets import dataset_from
     from dissoc.server import Server
 
-    datasets = {}
+    datasets: dict[str, Any] = {}
     for path in args.paths:
         ds = dataset_from(path)
         if ds.name in datasets:
             raise DissocError(f"two paths would be served under the same ticket {ds.name!r}")
         datasets[ds.name] = ds
+    if args.device:
+        from dissoc.datasets import DeviceDataset
+        from dissoc.device import DeviceBatch
+
+        for name, ds in list(datasets.items()):
+            batches = DeviceBatch.from_batches(ds.schema, list(ds.open()))
+            datasets[name] = DeviceDataset(name, batches, schema=ds.schema)
+            ds.close()
     server = Server(
         datasets,
         host=args.host,
@@ -158,6 +182,8 @@ class _Progress:
 
 
 async def _get(args: argparse.Namespace) -> int:
+    import pyarrow as pa
+
     from dissoc import codec
     from dissoc.client import ClientOptions, FetchStats, stream_batches
 
@@ -171,7 +197,9 @@ async def _get(args: argparse.Namespace) -> int:
         if data_uri is not None:
             raise DissocError("--data-uri does not apply to a Flight location: it names each endpoint's URIs")
         endpoints = await asyncio.to_thread(resolve, uri, args.ticket, timeout=args.timeout)
-    options = ClientOptions(timeout=args.timeout, ucx_path=args.ucx_path)
+    options = ClientOptions(
+        timeout=args.timeout, ucx_path=args.ucx_path, landing=args.landing, zero_copy=args.zero_copy
+    )
     stats = FetchStats()
     progress = _Progress(not args.no_progress)
     started = time.perf_counter()
@@ -188,9 +216,11 @@ async def _get(args: argparse.Namespace) -> int:
                 nbytes += batch.nbytes
                 count += 1
                 if args.output is not None:
+                    host = batch if isinstance(batch, pa.RecordBatch) else batch.to_arrow()
                     if writer is None:
-                        writer = _open_writer(args.output, batch.schema)
-                    writer.write_batch(batch)
+                        writer = _open_writer(args.output, host.schema)
+                    writer.write_batch(host)
+                del batch
                 progress.update(count, nbytes, started)
             rows += stats.rows
         if args.output is not None and writer is None and schema_holder:

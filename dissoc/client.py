@@ -573,6 +573,7 @@ def fetch_device(
     options: ClientOptions | None = None,
 ) -> list[DeviceBatch]:
     """Synchronous :func:`fetch_device_async`."""
+
     def coro() -> Any:
         return fetch_device_async(uri, ticket, data_uri=data_uri, options=options)
 

@@ -29,6 +29,7 @@ __all__ = [
     "Catalog",
     "Dataset",
     "DatasetError",
+    "DeviceDataset",
     "GeneratedDataset",
     "IpcFileDataset",
     "IpcStreamDataset",
@@ -209,6 +210,51 @@ class TableDataset(Dataset):
 
     def _iterate(self, batches: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         yield from batches
+
+
+class DeviceDataset(Dataset):
+    """Batches in device memory (:class:`dissoc.device.DeviceBatch`, one schema), served from where they lie.
+
+    Servers send their bodies from device memory (over UCX's CUDA transports; through the host on transports
+    without them) or place them in a ``memory=cuda`` arena device-to-device. Consumers that need host batches
+    (:meth:`open`, e.g. Flight's DoGet) get copies.
+    """
+
+    def __init__(self, name: str, batches: Any, schema: pa.Schema | None = None) -> None:
+        super().__init__(name)
+        from dissoc.device import DeviceBatch
+
+        items = [batches] if isinstance(batches, DeviceBatch) else list(batches)
+        for b in items:
+            if not isinstance(b, DeviceBatch):
+                raise DatasetError(f"dataset {name!r}: expected DeviceBatch objects, got {type(b).__name__}")
+        if schema is None:
+            if not items:
+                raise DatasetError(f"dataset {name!r}: no device batches and no schema")
+            schema = items[0].schema
+        for i, b in enumerate(items):
+            if not b.schema.equals(schema, check_metadata=False):
+                raise DatasetError(
+                    f"dataset {name!r}: batch {i} has schema {_brief(b.schema)}, not {_brief(schema)}"
+                )
+        self._schema = schema
+        self.batches: list[Any] = items
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self._schema
+
+    @property
+    def num_rows(self) -> int:
+        return sum(int(b.num_rows) for b in self.batches)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(b.nbytes) for b in self.batches)
+
+    def open(self) -> Iterator[pa.RecordBatch]:
+        self._check_open()
+        return (b.to_arrow() for b in self.batches)
 
 
 class ReaderFactoryDataset(Dataset):
@@ -772,11 +818,20 @@ def _dataset_from_path(path: Path, name: str | None) -> Dataset:
     )
 
 
+def _is_device_batches(obj: object) -> bool:
+    from dissoc.device import DeviceBatch
+
+    if isinstance(obj, DeviceBatch):
+        return True
+    return isinstance(obj, (list, tuple)) and bool(obj) and all(isinstance(b, DeviceBatch) for b in obj)
+
+
 def dataset_from(obj: object, name: str | None = None) -> Dataset:
     """Build the :class:`Dataset` that serves ``obj``.
 
     ``obj`` may be a Dataset (returned as is, or renamed when ``name`` differs), a ``pa.Table`` or
-    ``pa.RecordBatch`` (``name`` required), a callable reader factory (``name`` defaults to its ``__name__``),
+    ``pa.RecordBatch`` (``name`` required), a :class:`~dissoc.device.DeviceBatch` or a list of them (``name``
+    required; served from device memory), a callable reader factory (``name`` defaults to its ``__name__``),
     or a path: an Arrow IPC file (recognised by its ``ARROW1`` magic whatever the extension), an IPC
     stream (``.arrows``, ``.stream``, or an ``.arrow``/``.feather``/``.ipc`` file without the file magic), a
     Parquet file (``.parquet``, ``.parq``, or ``PAR1`` magic) or a directory of Parquet files; ``name``
@@ -790,6 +845,10 @@ def dataset_from(obj: object, name: str | None = None) -> Dataset:
         if name is None:
             raise DatasetError(f"a name is required to serve a pyarrow.{type(obj).__name__}")
         return TableDataset(name, obj)
+    if _is_device_batches(obj):
+        if name is None:
+            raise DatasetError("a name is required to serve device batches")
+        return DeviceDataset(name, obj)
     if isinstance(obj, pa.RecordBatchReader):
         raise DatasetError(
             "a pyarrow.RecordBatchReader can be read only once; serve a callable that returns a fresh reader"

@@ -15,6 +15,7 @@ from typing import Any, Self
 from dissoc.data_server import DataServer
 from dissoc.datasets import Catalog, Dataset
 from dissoc.errors import DissocError
+from dissoc.memory.device_arena import DeviceArena
 from dissoc.memory.shm import ShmArena
 from dissoc.metadata_server import CombinedServer, MetadataServer
 from dissoc.pair_memory import ServedArena
@@ -67,7 +68,7 @@ class Server:
         self.catalog = Catalog()
         for name, obj in (datasets or {}).items():
             self.catalog.add(name, obj)
-        self.arena: ShmArena | None = None
+        self.arena: ShmArena | DeviceArena | None = None
         self.served: ServedArena | None = None
         self.placements: Placements | None = None
         self.ledger: Ledger | None = None

@@ -19,8 +19,9 @@ from typing import Any
 import pyarrow as pa
 
 from dissoc.codec import MessageEncoder, iter_messages, parse
-from dissoc.datasets import Catalog, Dataset, IpcFileDataset, IpcStreamDataset, TableDataset
+from dissoc.datasets import Catalog, Dataset, DeviceDataset, IpcFileDataset, IpcStreamDataset, TableDataset
 from dissoc.errors import DissocError, TransportError
+from dissoc.memory.device import FakeDeviceArray
 from dissoc.placements import Placements, Scope
 from dissoc.protocol import (
     BODY_PAIRS,
@@ -35,6 +36,7 @@ from dissoc.protocol import (
 )
 from dissoc.protocol.ledger import Ledger
 from dissoc.transport import Connection, Listener, serve
+from dissoc.transport.base import device_nbytes
 from dissoc.uri import DissocURI
 
 __all__ = ["Role", "RoleServer", "ServeOptions", "serve_connection", "stream_dataset"]
@@ -120,6 +122,18 @@ async def _encoded_messages(
         for item in stored:
             yield item
         return
+    if isinstance(dataset, DeviceDataset) and options.compression is None:
+        from dissoc.device import DeviceEncoder
+
+        batches = dataset.batches
+        device_encoder = DeviceEncoder(
+            dataset.schema, schema_metadata=batches[0].schema_metadata if batches else None
+        )
+        yield device_encoder.schema_message().metadata, [], False
+        for device_batch in batches:
+            for dm in device_encoder.encode(device_batch):
+                yield dm.metadata, [dm.body], True
+        return
     encoder = MessageEncoder(dataset.schema, compression=options.compression)
     yield encoder.schema_message().metadata, [], False
     async for batch in _batches(dataset):
@@ -134,7 +148,7 @@ _COALESCE_MESSAGES = 64
 
 def _same_every_time(dataset: Dataset) -> bool:
     """Stored or in-memory data: the next message is ready at once, and the same on every request."""
-    return isinstance(dataset, (TableDataset, IpcFileDataset, IpcStreamDataset))
+    return isinstance(dataset, (TableDataset, IpcFileDataset, IpcStreamDataset, DeviceDataset))
 
 
 def _scope(dataset: Dataset, placements: Placements, current: Callable[[], bool] | None) -> Scope | None:
@@ -198,14 +212,15 @@ async def stream_dataset(
                     conn,
                     scope,
                     sent.seq,
-                    lambda: _place(conn, placements, _split_body(metadata, body)),  # noqa: B023 - called at once
+                    lambda: _place(conn, placements, _split_body(metadata, _for_arena(body, placements))),  # noqa: B023
                 )
                 assert options.ledger is not None
                 options.ledger.record(conn, pairs)
                 await conn.send_tagged(make_body_tag(sent.seq, BODY_PAIRS), encode_pairs(pairs))
             elif data and sent.tag is not None:
+                body = _for_connection(body, conn)
                 pending.append((sent.tag, body))
-                pending_bytes += sum(memoryview(b).nbytes for b in body)
+                pending_bytes += sum(_nbytes(b) for b in body)
             if not coalesce or pending_bytes >= _COALESCE_BYTES or len(pending) >= _COALESCE_MESSAGES:
                 await conn.send_many(pending)
                 pending = []
@@ -228,6 +243,47 @@ async def stream_dataset(
             conn, role, _error(stream, "stream_failed", f"serving {dataset.name!r} failed: {e}")
         )
         return stream.next_seq
+
+
+def _device_body(body: list[Any]) -> Any:
+    """The device array of a body from a device dataset (one buffer), or None for host bodies."""
+    if len(body) != 1:
+        return None
+    item = body[0]
+    if device_nbytes(item) is None and not isinstance(item, FakeDeviceArray):
+        return None
+    return item
+
+
+def _for_connection(body: list[Any], conn: Connection) -> list[Any]:
+    """A packed body as the connection can send it: device memory as is on a transport that moves it
+    (UCX), after the producing work has finished; else copied to the host."""
+    device = _device_body(body)
+    if device is None:
+        return body
+    from dissoc.memory.device import get_backend
+
+    backend = get_backend()
+    if conn.device_memory and device_nbytes(device) is not None:
+        backend.synchronize()
+        return body
+    return [backend.download(device)]
+
+
+def _for_arena(body: list[Any], placements: Placements) -> list[Any]:
+    """A body as the arena can take it: device memory goes device-to-device into a device arena, through
+    the host into a host one."""
+    device = _device_body(body)
+    if device is None or getattr(placements.arena, "is_device", False):
+        return body
+    from dissoc.memory.device import get_backend
+
+    return [pa.py_buffer(get_backend().download(device))]
+
+
+def _nbytes(buffer: Any) -> int:
+    size = device_nbytes(buffer)
+    return size if size is not None else memoryview(buffer).nbytes
 
 
 async def _place(conn: Connection, placements: Placements, buffers: list[Any]) -> list[tuple[int, int]]:
@@ -281,6 +337,8 @@ def _split_body(metadata: Any, body: list[Any]) -> list[Any]:
     spans = parse(metadata).batch
     assert spans is not None
     entries = spans.buffers.tolist()
+    if _device_body(body) is not None:  # a device array: its slices, for a device arena
+        return [body[0][o : o + n] if n else b"" for o, n in entries]
     if len(body) == 1 and isinstance(body[0], pa.Buffer):
         whole = body[0]
         return [whole.slice(o, n) if n else b"" for o, n in entries]

@@ -58,6 +58,9 @@ class DeviceArena(FreeListArena):
     handed out by :meth:`view` keep the memory valid (CuPy) until they go.
     """
 
+    #: Takes device arrays as they are (device-to-device copies); host arenas need host memory.
+    is_device = True
+
     def __init__(self, backend: DeviceBackend, allocation: DeviceAllocation, capacity: int) -> None:
         """Use :meth:`create`."""
         super().__init__(capacity)
