@@ -91,13 +91,10 @@ class DeviceLanding:
                 return self.decoder.decode(meta, self.backend.empty(parsed.body_length)), []
             rewritten = _rewrite(parsed, rows, low, high - low)
             return self.decoder.decode(rewritten, view), []
-        if reader.memory == "cuda":
-            arrays, done = reader.read_device(pairs)
+        gather = getattr(reader, "gather_into", None)
+        if gather is not None:  # device memory: one device-to-device copy per range, straight into place
             body = self.backend.empty(parsed.body_length)
-            for (offset, n), array in zip(spans.tolist(), arrays, strict=True):
-                if n and array is not None:
-                    self.backend.copy(body[offset : offset + n], array)
-            self.backend.synchronize()
+            done = gather(pairs, body, [int(o) for o in spans[:, 0]])
             return self.decoder.decode(meta, body), done
         buffers, done = reader.read(pairs)
         host = np.zeros(parsed.body_length, np.uint8)

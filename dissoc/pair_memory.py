@@ -432,6 +432,17 @@ class _CudaReader(PairReader):
         backend.synchronize()  # the copies must be done before the server may reuse the ranges
         return out, offsets
 
+    def gather_into(self, pairs: PairList, body: Any, at: list[int]) -> list[int]:
+        """Copy each range device-to-device into ``body`` at the offsets ``at`` (one per pair: where the IPC
+        body has that buffer); waits for the copies and returns the offsets, all free now."""
+        allocation, rows = self._rows(pairs)
+        backend = self.backend
+        for (offset, n), dest in zip(rows, at, strict=True):
+            if n:
+                backend.copy(body[dest : dest + n], backend.view(allocation, offset, n))
+        backend.synchronize()
+        return [offset for offset, n in rows if n]
+
     def device_span(self, pairs: PairList) -> tuple[Any | None, int, int]:
         """Zero-copy device landing of a whole batch: one view over the mapping from the batch's first range
         to the end of its last, and those two offsets; the batch's ranges are freed (``on_release``) when

@@ -1,0 +1,297 @@
+"""GPU to GPU between two processes on one device, against a CuPy device-to-device copy (not run by pytest).
+
+For each batch size S (default 16 and 256 MiB; 2 int64 columns) a server subprocess uploads ``--total-mib``
+of batches to the GPU (``DeviceBatch.from_batches``) and serves them as a device dataset; this process
+fetches the whole stream with ``ClientOptions(landing="device")``, so every batch ends in device memory as a
+``DeviceBatch``. Paths:
+
+- ``cupy-d2d-copy`` (the anchor): ``dst[...] = src`` of S bytes per batch, alternating between two
+  destination buffers, then one synchronize; the same bytes as one stream;
+- ``ucx-packed``: ``Server(transport="ucx")`` with packed bodies. The server sends each body from device
+  memory and the client's allocator gives UCX a device buffer per body (UCX's ``cuda_ipc`` transport between
+  the two processes). The client connects by worker address (same host);
+- ``cuda-ipc-pairs-zc``: ``Server(transport="tcp", body="pairs", memory="cuda")``: the server's batches are
+  placed in its device arena once (resident) and each batch is a list of (offset, length) pairs into it;
+  the client maps the arena's CUDA IPC handle once per stream and builds each batch as a view over it
+  (``zero_copy=True``): nothing is copied, so its GB/s is the control path's speed, not memory's;
+- ``cuda-ipc-pairs-copy``: the same, the client copying each batch device-to-device into its own memory and
+  freeing the ranges at once.
+
+Each figure is the median GB/s of ``--repeat`` whole-stream fetches after ``--warmup`` (the warm-up also
+places the resident batches); the ratio divides by the copy anchor's median for the same size. Target:
+>= 0.70x the copy at 256 MiB. ``--fake`` runs everything on the CPU with the fake device backend (host shared
+memory posing as device memory): a smoke test of the script, not a measurement.
+
+Run from the repository root (on a machine with a CUDA device, cupy and ucxx)::
+
+    .venv/bin/python benchmarks/gpu.py                         # 16 and 256 MiB, 1 GiB per stream
+    .venv/bin/python benchmarks/gpu.py --sizes 256 --repeat 9 --json
+    .venv/bin/python benchmarks/gpu.py --fake --total-mib 64   # CPU smoke test
+
+Server entry point (started by this script)::
+
+    python benchmarks/gpu.py serve MODE SIZE_MIB COUNT   # one JSON line {"uri", "ticket"}, then serves
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+
+MiB = 1 << 20
+MODES = {
+    "ucx-packed": {"transport": "ucx", "body": "packed"},
+    "cuda-ipc-pairs-zc": {"transport": "tcp", "body": "pairs", "memory": "cuda"},
+    "cuda-ipc-pairs-copy": {"transport": "tcp", "body": "pairs", "memory": "cuda"},
+}
+TARGET = 0.70
+
+
+def _batches(size_mib: int, count: int) -> list[pa.RecordBatch]:
+    rows = size_mib * MiB // 16
+    a = np.arange(rows, dtype=np.int64)
+    batch = pa.record_batch({"a": a, "b": a * 3})
+    return [batch] * count
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Server subprocess
+
+
+async def _serve(mode: str, size_mib: int, count: int) -> None:
+    from dissoc.datasets import DeviceDataset
+    from dissoc.device import DeviceBatch
+    from dissoc.server import Server
+
+    batches = _batches(size_mib, count)
+    device = DeviceBatch.from_batches(batches[0].schema, batches)
+    dataset = DeviceDataset("bench", device)
+    kwargs: dict[str, Any] = dict(MODES[mode])
+    if kwargs.get("body") == "pairs":
+        kwargs["arena_bytes"] = 2 * size_mib * MiB * count + 64 * MiB
+    async with Server({"bench": dataset}, **kwargs) as server:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        sys.stdout.write(json.dumps({"uri": server.uri, "ticket": "bench"}) + "\n")
+        sys.stdout.flush()
+        await stop.wait()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Client side
+
+
+def _backend(fake: bool) -> Any:
+    from dissoc.memory.device import FakeDeviceBackend, get_backend
+
+    return FakeDeviceBackend() if fake else get_backend()
+
+
+def _device_name(fake: bool) -> str:
+    if fake:
+        return "fake device (host shared memory)"
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    name = props["name"]
+    return str(name.decode() if isinstance(name, bytes) else name)
+
+
+def copy_anchor(backend: Any, size_mib: int, count: int) -> Callable[[], int]:
+    """One stream's worth of device-to-device copies (two destinations, alternating)."""
+    n = size_mib * MiB
+    src = backend.empty(n)
+    dst = [backend.empty(n), backend.empty(n)]
+
+    def run() -> int:
+        for i in range(count):
+            backend.copy(dst[i % 2], src)
+        backend.synchronize()
+        return n * count
+
+    return run
+
+
+def fetch_path(mode: str, size_mib: int, count: int, env: dict[str, str], stack: contextlib.ExitStack) -> Any:
+    """Start the mode's server; returns a function fetching the whole stream onto the device once."""
+    from dissoc.client import ClientOptions, stream_batches
+
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "serve", mode, str(size_mib), str(count)],
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=REPO_ROOT,
+        text=True,
+    )
+
+    def stop() -> None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    stack.callback(stop)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"{mode}: the server exited ({proc.wait()}) before it was ready")
+    info = json.loads(line)
+    options = ClientOptions(landing="device", zero_copy=mode.endswith("-zc"), ucx_path="address", timeout=120)
+
+    async def once() -> int:
+        total = 0
+        async for batch in stream_batches(info["uri"], info["ticket"], options=options):
+            total += int(batch.nbytes)
+            del batch
+        return total
+
+    loop = asyncio.new_event_loop()
+
+    def close_loop() -> None:
+        gc.collect()  # zero-copy batches still referenced somewhere: their frees run now
+        pending = asyncio.all_tasks(loop)
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending, timeout=5))
+        loop.close()
+
+    stack.callback(close_loop)
+
+    def run() -> int:
+        return loop.run_until_complete(once())
+
+    return run
+
+
+def measure(run: Callable[[], int], repeat: int, warmup: int, sync: Callable[[], None]) -> list[float]:
+    for _ in range(warmup):
+        run()
+    rates: list[float] = []
+    for _ in range(repeat):
+        gc.collect()
+        gc.disable()
+        try:
+            start = time.perf_counter()
+            nbytes = run()
+            sync()
+            seconds = time.perf_counter() - start
+        finally:
+            gc.enable()
+        rates.append(nbytes / seconds / 1e9)
+    return rates
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("command", nargs="*", help=argparse.SUPPRESS)
+    parser.add_argument("--sizes", default="16,256", help="batch sizes in MiB (default 16,256)")
+    parser.add_argument("--total-mib", type=int, default=1024, help="bytes per stream (default 1024 MiB)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed fetches per path (default 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed fetches first (default 1)")
+    parser.add_argument("--only", default=None, help="modes to run, comma-separated")
+    parser.add_argument("--fake", action="store_true", help="CPU smoke test with the fake device backend")
+    parser.add_argument("--json", action="store_true", help="JSON on stdout (the table goes to stderr)")
+    args = parser.parse_args(argv)
+    if args.command:
+        if args.command[0] != "serve" or len(args.command) != 4:
+            parser.error("usage: gpu.py serve MODE SIZE_MIB COUNT")
+        asyncio.run(_serve(args.command[1], int(args.command[2]), int(args.command[3])))
+        return 0
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    if args.fake:
+        env["DISSOC_DEVICE_BACKEND"] = "fake"
+        os.environ["DISSOC_DEVICE_BACKEND"] = "fake"  # this process too (read by get_backend)
+    try:
+        backend = _backend(args.fake)
+        device = _device_name(args.fake)
+    except Exception as exc:
+        print(f"gpu.py: no device to measure on: {exc}", file=sys.stderr)
+        return 2
+    modes = [m for m in MODES if args.only is None or m in args.only.split(",")]
+    sizes = [int(s) for s in args.sizes.split(",")]
+    out = sys.stderr if args.json else sys.stdout
+    print(f"# device: {device}; {args.total_mib} MiB per stream; median of {args.repeat}", file=out)
+    results: list[dict[str, Any]] = []
+    for size in sizes:
+        count = max(2, args.total_mib // size)
+        rows: list[tuple[str, list[float] | str]] = []
+        try:
+            rows.append(
+                (
+                    "cupy-d2d-copy",
+                    measure(copy_anchor(backend, size, count), args.repeat, 1, backend.synchronize),
+                )
+            )
+        except Exception as exc:
+            rows.append(("cupy-d2d-copy", f"error: {type(exc).__name__}: {exc}"))
+        for mode in modes:
+            print(f"  {mode} / {size} MiB ...", file=sys.stderr)
+            try:
+                with contextlib.ExitStack() as stack:
+                    run = fetch_path(mode, size, count, env, stack)
+                    rows.append((mode, measure(run, args.repeat, args.warmup, backend.synchronize)))
+            except Exception as exc:
+                rows.append((mode, f"error: {type(exc).__name__}: {exc}"))
+        anchor = rows[0][1]
+        anchor_med = statistics.median(anchor) if isinstance(anchor, list) else None
+        for name, rates in rows:
+            entry: dict[str, Any] = {"path": name, "size_mib": size, "batches": count}
+            if isinstance(rates, str):
+                entry["error"] = rates
+            else:
+                med = statistics.median(rates)
+                entry.update(gbps=[round(r, 3) for r in rates], median_gbps=round(med, 3))
+                if anchor_med:
+                    entry["vs_copy"] = round(med / anchor_med, 3)
+            results.append(entry)
+    print(f"{'path':<22} {'MiB':>4} {'GB/s med':>9} {'min':>8} {'max':>8} {'vs copy':>8}", file=out)
+    for e in results:
+        if "error" in e:
+            print(f"{e['path']:<22} {e['size_mib']:>4}  {e['error']}", file=out)
+            continue
+        vs = f"{e['vs_copy']:.2f}x" if "vs_copy" in e else "-"
+        print(
+            f"{e['path']:<22} {e['size_mib']:>4} {e['median_gbps']:>9.2f} {min(e['gbps']):>8.2f} "
+            f"{max(e['gbps']):>8.2f} {vs:>8}",
+            file=out,
+        )
+    checks = [e for e in results if e["size_mib"] == 256 and e["path"] != "cupy-d2d-copy" and "vs_copy" in e]
+    if checks:
+        print(f"\ntarget at 256 MiB: >= {TARGET:.2f}x the device-to-device copy", file=out)
+        for e in checks:
+            verdict = "met" if e["vs_copy"] >= TARGET else "MISSED"
+            print(f"  {e['path']:<22} {e['vs_copy']:.2f}x ({verdict})", file=out)
+    if args.json:
+        json.dump({"device": device, "fake": args.fake, "results": results}, sys.stdout, indent=2)
+        print()
+    return 1 if any("error" in e for e in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
