@@ -177,6 +177,9 @@ class CupyBackend:
         if count < 1:
             raise ResourceError("device memory needs a CUDA device: none is visible")
         self._cp = cp
+        # Create the device's context now, before a UCX context may be created in this process: UCX's CUDA
+        # transports look for a current context when they start.
+        cp.empty(1, dtype=cp.uint8)
 
     def allocate(self, nbytes: int) -> DeviceAllocation:
         cp = self._cp
