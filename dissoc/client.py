@@ -410,6 +410,10 @@ class _Session:
             with contextlib.suppress(BaseException):  # cancelled, or already reported to the consumer
                 await t
         self.stream_done = True
+        # The stream is over: the decoders' dictionaries are needed no more. Zero-copy ones lie in the server's
+        # memory, which goes back when the consumer's batches are released, not when the session goes.
+        self.decoder.dictionaries.clear()
+        self.device = None
         reader = self.pairs
         if reader is not None and reader.zero_copy and not reader.idle.is_set():  # type: ignore[attr-defined]
             # Zero-copy batches still use the server's memory: the data connection (which holds those ranges

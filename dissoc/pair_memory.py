@@ -183,18 +183,55 @@ class _Lease:
     __slots__ = ("__weakref__",)
 
 
-class _ShmZeroCopy(PairReader):
+class _Leasing(PairReader):
+    """Bookkeeping of a reader whose batches lie in the server's memory: each batch holds a lease, and the
+    lease's end hands the batch's ranges to ``on_release``. ``outstanding`` counts live leases; ``idle`` is
+    set when there are none (the client keeps its data connection until then)."""
+
+    def __init__(self, on_release: Callable[[list[int]], None]) -> None:
+        self.on_release = on_release
+        self._lock = threading.Lock()
+        self._closed = False
+        self.outstanding = 0
+        self.idle = threading.Event()
+        self.idle.set()
+
+    def _lease(self, lease: object, offsets: list[int]) -> None:
+        """Count ``lease`` (refused once closed) and free ``offsets`` when it goes, exactly once."""
+        with self._lock:  # counted before close() can look: the memory stays while the batch lives
+            if self._closed:
+                raise ResourceError("pair reader: expected an open reader, got a closed one")
+            self.outstanding += 1
+            self.idle.clear()
+        weakref.finalize(lease, self._released, offsets)
+
+    def _released(self, offsets: list[int]) -> None:
+        # Runs in whichever thread dropped the batch's last buffer.
+        try:
+            self.on_release(offsets)
+        except Exception:  # a finalizer must not raise
+            log.debug("handing back %d ranges failed", len(offsets), exc_info=True)
+        with self._lock:
+            self.outstanding -= 1
+            last = self.outstanding == 0
+            if last:
+                self.idle.set()
+            unmap = last and self._closed
+        if unmap:
+            self._last_released()
+
+    def _last_released(self) -> None:
+        """The reader was closed and its last lease has gone."""
+
+
+class _ShmZeroCopy(_Leasing):
     """Buffers over the read-only mapping itself; a batch's ranges are freed when it is released."""
 
     zero_copy = True
 
     def __init__(self, view: ShmView, on_release: Callable[[list[int]], None]) -> None:
+        super().__init__(on_release)
         self.view = view
-        self.on_release = on_release
-        self._lock = threading.Lock()
-        self.outstanding = 0
-        self.idle = threading.Event()
-        self.idle.set()
 
     def read(self, pairs: PairList) -> tuple[list[pa.Buffer | None], list[int]]:
         views = self.view.buffers(pairs)
@@ -205,22 +242,8 @@ class _ShmZeroCopy(PairReader):
         out: list[pa.Buffer | None] = [
             None if v.size == 0 else pa.foreign_buffer(v.address, v.size, base=(lease, v)) for v in views
         ]
-        with self._lock:
-            self.outstanding += 1
-            self.idle.clear()
-        weakref.finalize(lease, self._released, offsets)
+        self._lease(lease, offsets)
         return out, []
-
-    def _released(self, offsets: list[int]) -> None:
-        # Runs in whichever thread dropped the batch's last buffer.
-        try:
-            self.on_release(offsets)
-        except Exception:  # a finalizer must not raise
-            log.debug("handing back %d ranges failed", len(offsets), exc_info=True)
-        with self._lock:
-            self.outstanding -= 1
-            if self.outstanding == 0:
-                self.idle.set()
 
     def close(self) -> None:
         # The mapping stays until the last zero-copy buffer goes (each keeps a slice of it).
@@ -337,7 +360,7 @@ class _DeviceLease:
         self.allocation = allocation
 
 
-class _CudaReader(PairReader):
+class _CudaReader(_Leasing):
     """Pairs in another process's device allocation, mapped once from its IPC handle.
 
     Host landing (:meth:`read`) copies each range device-to-host and frees at once. Device landing
@@ -358,13 +381,8 @@ class _CudaReader(PairReader):
     ) -> None:
         handle, self.length = cuda_region(uri)
         self.backend = get_backend() if backend is None else backend
+        super().__init__(on_release)
         self.zero_copy = zero_copy
-        self.on_release = on_release
-        self._lock = threading.Lock()
-        self.outstanding = 0
-        self.idle = threading.Event()
-        self.idle.set()
-        self._closed = False
         self._allocation: DeviceAllocation | None = self.backend.open_ipc(handle, self.length)
         log.debug("mapped a %d-byte device allocation (%s)", self.length, self.backend.name)
 
@@ -406,13 +424,8 @@ class _CudaReader(PairReader):
             return [None] * len(rows), []
         backend = self.backend
         if self.zero_copy:
-            with self._lock:  # counted before close() can look: the mapping stays while the batch lives
-                if self._closed:
-                    raise ResourceError("device pair reader: expected an open reader, got a closed one")
-                self.outstanding += 1
-                self.idle.clear()
             lease = _DeviceLease(allocation)
-            weakref.finalize(lease, self._released, offsets)  # from here on, the ranges go back exactly once
+            self._lease(lease, offsets)  # from here on, the ranges go back exactly once
             views = [
                 None if n == 0 else backend.view(allocation, offset, n, owner=lease) for offset, n in rows
             ]
@@ -453,29 +466,12 @@ class _CudaReader(PairReader):
             return None, 0, 0
         low = min(offsets)
         high = max(offset + n for offset, n in rows if n)
-        with self._lock:
-            if self._closed:
-                raise ResourceError("device pair reader: expected an open reader, got a closed one")
-            self.outstanding += 1
-            self.idle.clear()
         lease = _DeviceLease(allocation)
-        weakref.finalize(lease, self._released, offsets)
+        self._lease(lease, offsets)
         return self.backend.view(allocation, low, high - low, owner=lease), low, high
 
-    def _released(self, offsets: list[int]) -> None:
-        # Runs in whichever thread dropped the batch's last view.
-        try:
-            self.on_release(offsets)
-        except Exception:  # a finalizer must not raise
-            log.debug("handing back %d ranges failed", len(offsets), exc_info=True)
-        with self._lock:
-            self.outstanding -= 1
-            last = self.outstanding == 0
-            if last:
-                self.idle.set()
-            unmap = last and self._closed
-        if unmap:
-            self._unmap()
+    def _last_released(self) -> None:
+        self._unmap()
 
     def _unmap(self) -> None:
         with self._lock:

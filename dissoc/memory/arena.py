@@ -22,7 +22,8 @@ import bisect
 import contextlib
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Final, TypeVar
+from types import TracebackType
+from typing import Any, Final, Self, TypeVar
 
 from dissoc.errors import ResourceError
 
@@ -88,6 +89,18 @@ class FreeListArena:
     def capacity(self) -> int:
         """Size of the region in bytes (a multiple of 64)."""
         return self._capacity
+
+    def close(self) -> None:
+        """Give the memory back; idempotent (subclasses)."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
 
     @property
     def closed(self) -> bool:

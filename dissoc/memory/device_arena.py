@@ -20,8 +20,7 @@ import logging
 import os
 import weakref
 from collections.abc import Sequence
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import numpy as np
 
@@ -207,14 +206,6 @@ class DeviceArena(FreeListArena):
         if allocation is not None:
             allocation.close()
         self._wake()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"used={self._used}"

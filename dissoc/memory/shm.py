@@ -310,14 +310,6 @@ class ShmArena(FreeListArena):
                 mm.close()
         self._wake()
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"used={self._used}"
         return f"ShmArena(name={self._name!r}, capacity={self._capacity}, {state})"
