@@ -56,7 +56,7 @@ import logging
 import os
 import socket
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -968,27 +968,50 @@ class UcxListener(Listener):
 
     async def _accept_address(self, hello: bytes) -> None:
         """The address path: a fresh worker for the client, a data endpoint and a monitor endpoint to it."""
-        number = next(self._count)
-        description = f"ucx {self.address}<-client#{number}(address)"
+        description = f"ucx {self.address}<-client#{next(self._count)}(address)"
+        monitors: list[Any] = []
+
+        async def receive() -> bytes:
+            return hello
+
+        def open_monitor(client: Any) -> Any:
+            # Peer-failure handling on: UCX reports the client's death here (as the listener path's
+            # bootstrap endpoint does).
+            monitors.append(self._driver.worker.create_endpoint_from_worker_address(client, True))
+            return monitors[-1]
+
+        async def reply(monitor: Any, data: bytes) -> None:
+            await _send_tagged(self._driver, monitor, REPLY_TAG, data, "answering the handshake")
+
+        if not await self._handshake(description, receive, open_monitor, reply):
+            for monitor in monitors:
+                _close_endpoint(monitor)
+
+    async def _handshake(
+        self,
+        description: str,
+        receive: Callable[[], Awaitable[Any]],
+        open_monitor: Callable[[Any], Any],
+        reply: Callable[[Any, bytes], Awaitable[None]],
+    ) -> bool:
+        """Both paths' handshake: the client's hello, a worker and data endpoint for it, the monitor, the
+        reply; then the connection's handler starts. False (logged) when it failed; the caller closes the
+        monitor it opened."""
         driver: _Driver | None = None
-        monitor: Any = None
         try:
             async with asyncio.timeout(self._handshake_timeout):
-                client_address = _parse_hello(hello, description)
+                client_address = _parse_hello(await receive(), description)
                 lib = self._lib
                 client = lib.UCXAddress.create_from_buffer(client_address)
                 worker = lib.UCXWorker(_ucx_context())
                 driver = _Driver(worker, self._loop, description)
                 endpoint = worker.create_endpoint_from_worker_address(client, self._error_handling)
-                # Peer-failure handling on: UCX reports the client's death here (as the listener path's
-                # bootstrap endpoint does).
-                monitor = self._driver.worker.create_endpoint_from_worker_address(client, True)
+                monitor = open_monitor(client)
                 connection = UcxConnection(
                     driver, endpoint, monitor, self._driver, description=description, **self._limits
                 )
                 try:
-                    reply = MAGIC + bytes(worker.address.tobytes())
-                    await _send_tagged(self._driver, monitor, REPLY_TAG, reply, "answering the handshake")
+                    await reply(monitor, MAGIC + bytes(worker.address.tobytes()))
                 except BaseException:
                     await connection.close()
                     raise
@@ -999,14 +1022,13 @@ class UcxListener(Listener):
         else:
             if self._closing:
                 await connection.close()
-                return
-            logger.debug("accepted %s", description)
-            self._start_handler(connection)
-            return
+            else:
+                logger.debug("accepted %s", description)
+                self._start_handler(connection)
+            return True
         if driver is not None:
             driver.close()
-        if monitor is not None:
-            _close_endpoint(monitor)
+        return False
 
     def _on_request(self, conn_request: int, *args: Any) -> None:
         # Called from inside the listener worker's progress.
@@ -1023,44 +1045,17 @@ class UcxListener(Listener):
         task.add_done_callback(self._handshakes.discard)
 
     async def _accept(self, bootstrap: Any) -> None:
-        number = next(self._count)
-        description = f"ucx {self.address}<-client#{number}"
-        driver: _Driver | None = None
-        try:
-            async with asyncio.timeout(self._handshake_timeout):
-                hello = await _recv_am(self._driver, bootstrap, "receiving the handshake")
-                client_address = _parse_hello(hello, description)
-                lib = self._lib
-                worker = lib.UCXWorker(_ucx_context())
-                driver = _Driver(worker, self._loop, description)
-                endpoint = worker.create_endpoint_from_worker_address(
-                    lib.UCXAddress.create_from_buffer(client_address), self._error_handling
-                )
-                connection = UcxConnection(
-                    driver, endpoint, bootstrap, self._driver, description=description, **self._limits
-                )
-                try:
-                    reply = MAGIC + bytes(worker.address.tobytes())
-                    await _send_am(self._driver, bootstrap, reply, "answering the handshake")
-                except BaseException:
-                    await connection.close()
-                    raise
-        except TimeoutError:
-            logger.info("%s: handshake timed out after %s s", description, self._handshake_timeout)
-        except DissocError as exc:
-            logger.info("%s: handshake failed: %s", description, exc)
-        except Exception as exc:
-            logger.info("%s: handshake failed: %s", description, exc)
-        else:
-            if self._closing:
-                await connection.close()
-                return
-            logger.debug("accepted %s", description)
-            self._start_handler(connection)
-            return
-        if driver is not None:
-            driver.close()
-        _close_endpoint(bootstrap)
+        """The listener path: the hello and the reply travel on the bootstrap endpoint, the monitor."""
+        description = f"ucx {self.address}<-client#{next(self._count)}"
+
+        async def receive() -> Any:
+            return await _recv_am(self._driver, bootstrap, "receiving the handshake")
+
+        async def reply(monitor: Any, data: bytes) -> None:
+            await _send_am(self._driver, monitor, data, "answering the handshake")
+
+        if not await self._handshake(description, receive, lambda client: bootstrap, reply):
+            _close_endpoint(bootstrap)
 
     def _stop_accepting(self) -> None:
         self._listener = None  # dropping ucxx's listener stops listening
