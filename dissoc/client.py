@@ -410,8 +410,8 @@ class _Session:
             with contextlib.suppress(BaseException):  # cancelled, or already reported to the consumer
                 await t
         self.stream_done = True
-        # The stream is over: the decoders' dictionaries are needed no more. Zero-copy ones lie in the server's
-        # memory, which goes back when the consumer's batches are released, not when the session goes.
+        # The stream is over: the decoders' dictionaries are needed no more. Zero-copy ones lie in the
+        # server's memory, which goes back when the consumer's batches are released, not with the session.
         self.decoder.dictionaries.clear()
         self.device = None
         reader = self.pairs

@@ -170,15 +170,47 @@ def test_cli_serves_pairs_and_cleans_up(tmp_path: Path) -> None:
     assert segment not in _segments()
 
 
-def test_cli_refuses_memory_kinds_it_does_not_have(tmp_path: Path) -> None:
+def _cuda_device_present() -> bool:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount()) > 0
+    except Exception:  # no cupy, or no usable device
+        return False
+
+
+def _cupy_installed() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--body", "pairs", "--memory", "cuda"], "cuda"),
+        (["--body", "pairs", "--memory", "ucx"], "transport='ucx'"),
+        (["--memory", "shm"], "needs body='pairs'"),
+    ],
+    ids=["cuda-without-a-device", "ucx-over-tcp", "memory-without-pairs"],
+)
+def test_cli_refuses_memory_kinds_it_does_not_have(tmp_path: Path, args: list[str], expected: str) -> None:
+    if "cuda" in args and _cuda_device_present():
+        pytest.skip("a CUDA device is present: --memory cuda is served (tests/test_device_e2e.py covers it)")
     path = tmp_path / "x.arrow"
     with pa.ipc.new_file(path, pa.schema([("a", pa.int64())])) as w:
         w.write_table(pa.table({"a": [1]}))
+    env = {k: v for k, v in os.environ.items() if k != "DISSOC_DEVICE_BACKEND"}  # no fake device either
     r = subprocess.run(
-        [sys.executable, "-m", "dissoc.cli", "serve", "--body", "pairs", "--memory", "cuda", str(path)],
+        [sys.executable, "-m", "dissoc.cli", "serve", *args, str(path)],
         capture_output=True,
         text=True,
         timeout=60,
+        env=env,
     )
-    assert r.returncode == 1
-    assert "cuda" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert expected in r.stderr and "Traceback" not in r.stderr
+    if "cuda" in args and not _cupy_installed():
+        assert "dissoc[gpu]" in r.stderr, "the error must say how to get device memory"

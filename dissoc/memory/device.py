@@ -134,15 +134,34 @@ def _cupy() -> Any:
     return cupy
 
 
-class _CupyAllocation:
-    __slots__ = ("_array", "_closed", "_handle_ptr", "_memory", "nbytes", "ptr")
+# CUDA maps an IPC handle at most once per process: opening it again while it is open fails. Every allocation
+# opened from one handle shares that mapping, which is closed with the last of them.
+_ipc_lock = threading.Lock()
+_ipc_open: dict[bytes, list[int]] = {}  # handle -> [mapped pointer, allocations using it]
 
-    def __init__(self, memory: Any, ptr: int, nbytes: int, handle_ptr: int | None) -> None:
+
+def _close_ipc(handle: bytes) -> None:
+    with _ipc_lock:
+        entry = _ipc_open.get(handle)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del _ipc_open[handle]
+        with contextlib.suppress(Exception):  # under the lock: nobody reopens it before it is closed
+            _cupy().cuda.runtime.ipcCloseMemHandle(entry[0])
+
+
+class _CupyAllocation:
+    __slots__ = ("_array", "_closed", "_ipc_handle", "_memory", "nbytes", "ptr")
+
+    def __init__(self, memory: Any, ptr: int, nbytes: int, ipc_handle: bytes | None) -> None:
         cp = _cupy()
         self._memory = memory
         self.ptr = ptr
         self.nbytes = nbytes
-        self._handle_ptr = handle_ptr
+        self._ipc_handle = ipc_handle
         self._closed = False
         owner = memory if memory is not None else self
         unowned = cp.cuda.UnownedMemory(ptr, nbytes, owner)
@@ -157,9 +176,8 @@ class _CupyAllocation:
             return
         self._closed = True
         self._array = None
-        if self._handle_ptr is not None:
-            with contextlib.suppress(Exception):
-                _cupy().cuda.runtime.ipcCloseMemHandle(self._handle_ptr)
+        if self._ipc_handle is not None:
+            _close_ipc(self._ipc_handle)
         self._memory = None
 
 
@@ -241,11 +259,21 @@ class CupyBackend:
         check_ipc_handle(handle)
         if handle.startswith(FAKE_HANDLE_MAGIC):
             raise ResourceError("remote_handle names a fake-device segment, not CUDA memory")
+        raw = bytes(handle)
+        with _ipc_lock:
+            entry = _ipc_open.get(raw)
+            if entry is None:  # not mapped in this process yet (see _ipc_open)
+                try:
+                    ptr = int(self._cp.cuda.runtime.ipcOpenMemHandle(raw))
+                except Exception as exc:
+                    raise ResourceError(f"cannot open the CUDA IPC handle: {exc}") from exc
+                entry = _ipc_open[raw] = [ptr, 0]
+            entry[1] += 1
         try:
-            ptr = int(self._cp.cuda.runtime.ipcOpenMemHandle(bytes(handle)))
-        except Exception as exc:
-            raise ResourceError(f"cannot open the CUDA IPC handle: {exc}") from exc
-        return _CupyAllocation(None, ptr, int(nbytes), ptr)
+            return _CupyAllocation(None, entry[0], int(nbytes), raw)
+        except BaseException:
+            _close_ipc(raw)
+            raise
 
     def synchronize(self) -> None:
         self._cp.cuda.get_current_stream().synchronize()
