@@ -229,6 +229,13 @@ async def _get(args: argparse.Namespace) -> int:
         if writer is not None:
             writer.close()
         progress.done()
+        if args.zero_copy:
+            import gc
+
+            from dissoc.client import settle
+
+            gc.collect()  # a batch kept alive by an exception's traceback: its frees go now
+            await settle()
     seconds = time.perf_counter() - started
     summary: dict[str, Any] = {
         "rows": rows,

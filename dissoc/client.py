@@ -115,6 +115,16 @@ class FetchStats:
     bytes: int = 0
 
 
+async def settle(timeout: float = 5.0) -> None:
+    """Wait (up to ``timeout`` s) for this loop's zero-copy sessions to end: each ends when the batches over
+    the server's memory are released, after it has sent their free_data. Call it before the loop closes, so
+    that no session is cut off with frees unsent."""
+    loop = asyncio.get_running_loop()
+    mine = [t for t in _background if t.get_loop() is loop and not t.done()]
+    if mine:
+        await asyncio.wait(mine, timeout=timeout)
+
+
 def _nbytes(body: Any) -> int:
     size = device_nbytes(body)
     return size if size is not None else memoryview(body).nbytes
