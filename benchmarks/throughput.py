@@ -369,6 +369,22 @@ def format_targets(checks: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def format_ceiling(results: Sequence[Measurement]) -> str:
+    """How many times Flight's speed one memcpy of the same bytes reaches (what a path that copies the bytes
+    once cannot beat)."""
+    lines = []
+    for workload in TARGET_WORKLOADS:
+        here = [r for r in results if r.workload == workload and r.ok]
+        copy = next((r for r in here if r.path == "numpy copy"), None)
+        flight = next((r for r in here if r.path.startswith("flight")), None)
+        if copy is not None and flight is not None:
+            lines.append(
+                f"  ceiling {workload}: numpy copy (one memcpy of the same bytes) is "
+                f"{copy.median_gbps / flight.median_gbps:.2f}x flight"
+            )
+    return ("\n" + "\n".join(lines)) if lines else ""
+
+
 def _machine() -> dict[str, Any]:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {
@@ -528,7 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     checks = check_targets(results)
     text = format_table(results)
     if checks:
-        text += "\n\n" + format_targets(checks)
+        text += "\n\n" + format_targets(checks) + format_ceiling(results)
     if args.json:
         print(text, file=sys.stderr)
         report = {
