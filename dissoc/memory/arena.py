@@ -45,6 +45,16 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+def host_bytes(buf: Any) -> memoryview:
+    """A flat byte view of a host buffer to place (TypeError for a non-contiguous one)."""
+    mv = memoryview(buf)
+    if mv.format != "B" or mv.ndim != 1:
+        if not mv.c_contiguous:
+            raise TypeError(f"place: expected contiguous buffers, got a non-contiguous {type(buf).__name__}")
+        mv = mv.cast("B")
+    return mv
+
+
 class FreeListArena:
     """Allocator and backpressure over a region of ``capacity`` bytes (a multiple of :data:`ALIGNMENT`).
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from dissoc.errors import ResourceError
-from dissoc.memory.arena import ALIGNMENT, FreeListArena, align_up
+from dissoc.memory.arena import ALIGNMENT, FreeListArena, align_up, host_bytes
 from dissoc.memory.device import DeviceAllocation, DeviceBackend, get_backend
 
 __all__ = ["DeviceArena"]
@@ -38,15 +38,6 @@ def _close_if_creator(allocation: DeviceAllocation, creator_pid: int) -> None:
     if os.getpid() == creator_pid:
         with contextlib.suppress(Exception):
             allocation.close()
-
-
-def _host_bytes(buf: Any) -> memoryview:
-    mv = memoryview(buf)
-    if mv.format != "B" or mv.ndim != 1:
-        if not mv.c_contiguous:
-            raise TypeError(f"place: expected contiguous buffers, got a non-contiguous {type(buf).__name__}")
-        mv = mv.cast("B")
-    return mv
 
 
 class DeviceArena(FreeListArena):
@@ -144,7 +135,7 @@ class DeviceArena(FreeListArena):
             if self._backend.is_device_array(buf):
                 sources.append(self._device_bytes(buf))
             else:
-                sources.append(_host_bytes(buf))
+                sources.append(host_bytes(buf))
         return sources, [int(s.nbytes) for s in sources]
 
     def _fill(self, sources: list[Any], sizes: list[int], offsets: list[int]) -> None:

@@ -42,7 +42,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from dissoc.errors import ProtocolError, ResourceError
-from dissoc.memory.arena import ALIGNMENT, FreeListArena, align_up
+from dissoc.memory.arena import ALIGNMENT, FreeListArena, align_up, host_bytes
 
 __all__ = [
     "ALIGNMENT",
@@ -180,15 +180,6 @@ def cleanup_stale(prefix: str = NAME_PREFIX, *, directory: str = SHM_DIR) -> lis
 # -- the arena ----------------------------------------------------------------------------------------------
 
 
-def _as_contiguous_bytes(buf: Any) -> memoryview:
-    mv = memoryview(buf)
-    if mv.format != "B" or mv.ndim != 1:
-        if not mv.c_contiguous:
-            raise TypeError(f"place: expected contiguous buffers, got a non-contiguous {type(buf).__name__}")
-        mv = mv.cast("B")
-    return mv
-
-
 class ShmArena(FreeListArena):
     """A POSIX shared-memory segment this process created, with an allocator over it.
 
@@ -277,7 +268,7 @@ class ShmArena(FreeListArena):
         self._live_view()
 
     def _measure(self, buffers: Sequence[Any]) -> tuple[list[Any], list[int]]:
-        views = [_as_contiguous_bytes(b) for b in buffers]
+        views = [host_bytes(b) for b in buffers]
         return views, [mv.nbytes for mv in views]
 
     def _fill(self, sources: list[Any], sizes: list[int], offsets: list[int]) -> None:
