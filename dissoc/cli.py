@@ -47,6 +47,13 @@ def _parser() -> argparse.ArgumentParser:
         "--memory", choices=["shm", "ucx", "cuda"], default=None, help="what pair addresses point at"
     )
     s.add_argument(
+        "--arena-mib",
+        type=int,
+        default=1024,
+        metavar="MIB",
+        help="with --body pairs: size of the memory arena pairs point into (default 1024)",
+    )
+    s.add_argument(
         "--no-resident",
         dest="resident",
         action="store_false",
@@ -106,6 +113,8 @@ async def _serve(args: argparse.Namespace) -> int:
     from dissoc.datasets import dataset_from
     from dissoc.server import Server
 
+    if args.arena_mib < 1:
+        raise DissocError(f"--arena-mib: expected at least 1, got {args.arena_mib}")
     datasets: dict[str, Any] = {}
     for path in args.paths:
         ds = dataset_from(path)
@@ -131,6 +140,7 @@ async def _serve(args: argparse.Namespace) -> int:
         body=args.body,
         memory=args.memory,
         resident=args.resident,
+        arena_bytes=args.arena_mib << 20,
     )
     async with contextlib.AsyncExitStack() as running:
         await running.enter_async_context(server)

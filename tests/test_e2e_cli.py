@@ -184,3 +184,30 @@ def test_usage_errors_exit_2(args: list[str]) -> None:
     assert "usage" in result.stderr.lower()
     assert "Traceback" not in result.stderr
     assert result.stdout == ""
+
+
+def test_serve_arena_mib_bounds_the_pairs_arena(tmp_path: Path) -> None:
+    # 12 batches of ~1 MiB through a 4 MiB arena: served whole twice (resident batches are evicted to make
+    # room), which a larger default arena would hide; the URI names the segment, whose size is the option's.
+    table = pa.table({"a": pa.array(range(12 * 131072), pa.int64())})
+    path = tmp_path / "big.arrow"
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+        w.write_table(table, max_chunksize=131072)
+    with cli_server(str(path), "--body", "pairs", "--arena-mib", "4", count=1) as (proc, lines):
+        from dissoc.uri import DissocURI
+
+        handle = DissocURI.parse(lines[0]["data_uri"]).remote_handle
+        assert handle is not None
+        assert Path("/dev/shm", handle.decode()).stat().st_size == 4 << 20
+        for _ in range(2):
+            out = tmp_path / "out.arrow"
+            r = dissoc_cmd("get", lines[0]["uri"], "big", "-o", str(out))
+            assert r.returncode == 0, r.stderr
+            assert pa.ipc.open_file(str(out)).read_all().equals(table)
+        status, _, err = _stop(proc)
+    assert status == 0, err.decode()[-2000:]
+
+
+def test_serve_arena_mib_must_be_positive(tmp_path: Path) -> None:
+    r = dissoc_cmd("serve", "--body", "pairs", "--arena-mib", "0", str(tmp_path / "x.arrow"))
+    assert r.returncode == 1 and "--arena-mib" in r.stderr and "Traceback" not in r.stderr
