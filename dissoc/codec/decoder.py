@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 _NO_VALIDITY = {Layout.NULL, Layout.SPARSE_UNION, Layout.DENSE_UNION, Layout.RUN_END}
 _UNIONS = {Layout.SPARSE_UNION, Layout.DENSE_UNION}
+#: Layouts whose data buffer Arrow's C importer sizes from the offsets themselves.
+_SIZED_BY_OFFSETS = {Layout.BINARY, Layout.LARGE_BINARY}
 
 
 @dataclass(slots=True)
@@ -189,6 +191,9 @@ class _Compiled:
                 continue
             if _fully_validatable(plan.field.type):
                 self.full_columns.append(col)
+                # Arrow's C importer sizes a binary node's data buffer from its last offset, so its full
+                # validation cannot see offsets past the data received: those are checked here, always.
+                self.checked.extend(j for j in risky_nodes if flat[j].layout in _SIZED_BY_OFFSETS)
             else:
                 self.checked.extend(risky_nodes)
         self.all_full = len(self.full_columns) == len(plans)
@@ -339,6 +344,14 @@ class MessageDecoder:
     @property
     def schema_info(self) -> SchemaInfo | None:
         return self._info
+
+    @property
+    def checks_contents(self) -> bool:
+        """Whether this stream's batches have contents to check (offsets, views, union ids, dictionary
+        indices, run ends): False for schemas of fixed-width columns only, whose memory safety the sizes
+        checked from the metadata already guarantee."""
+        c = self._compiled
+        return c is not None and bool(c.checked_all or c.full_columns or c.dict_nodes)
 
     def decode(self, metadata: object, body: object = None) -> pa.RecordBatch | None:
         """Decode one message; ``body`` is bytes-like (or a ``pa.Buffer``) for batch messages.

@@ -636,3 +636,32 @@ def test_malformed_files(name: str) -> None:
 def test_codec_error_is_value_error_and_dissoc_error() -> None:
     assert issubclass(CodecError, ValueError)
     assert issubclass(CodecError, DissocError)
+
+
+@pytest.mark.parametrize("ty", [pa.binary(), pa.string(), pa.large_binary(), pa.large_string()], ids=str)
+@pytest.mark.parametrize("last", [5051, 1 << 20, 0x7FFFFFF0])
+@pytest.mark.parametrize("scattered", [False, True], ids=["packed", "pairs"])
+def test_binary_offsets_past_the_data_are_refused(ty: pa.DataType, last: int, scattered: bool) -> None:
+    # Arrow's C importer sizes the data buffer from the last offset, so its own full validation cannot see
+    # this; accepted, the batch would read past the body (reported as UTF-8 garbage, or a crash)
+    values = [b"x" * i for i in range(1, 101)]
+    batch = pa.record_batch({"s": pa.array(values, ty)})
+    encoder = codec.MessageEncoder(batch.schema)
+    message = encoder.encode(batch)[-1]
+    body = bytearray(b"".join(bytes(memoryview(b)) for b in message.body_buffers))
+    dtype = "<i8" if ty in (pa.large_binary(), pa.large_string()) else "<i4"
+    offsets = np.concatenate([[0], np.cumsum([len(v) for v in values])]).astype(dtype).tobytes()
+    at = body.find(offsets)
+    assert at >= 0
+    width = np.dtype(dtype).itemsize
+    body[at + len(offsets) - width : at + len(offsets)] = last.to_bytes(width, "little")
+    decoder = codec.MessageDecoder()
+    decoder.decode(encoder.schema_message().metadata)
+    with pytest.raises(CodecError, match="offsets"):
+        if scattered:
+            spans = codec.parse(message.metadata).batch
+            assert spans is not None
+            buffers = [pa.py_buffer(bytes(body[o : o + n])) if n else None for o, n in spans.buffers.tolist()]
+            decoder.decode_scattered(message.metadata, buffers)
+        else:
+            decoder.decode(message.metadata, bytes(body))
