@@ -178,7 +178,7 @@ class _Session:
         if options.landing == "device":
             from dissoc.device_landing import DeviceLanding
 
-            self.device = DeviceLanding()
+            self.device = DeviceLanding(validate=options.validate)
         elif options.landing != "host":
             raise DissocError(f"landing: expected 'host' or 'device', got {options.landing!r}")
         if data_uri.memory is not None:

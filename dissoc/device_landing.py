@@ -15,6 +15,13 @@ Where the body arrives decides how it gets to the device, never what the consume
 
 Compressed bodies cannot land on the device (:class:`~dissoc.errors.CodecError`): ask the server for
 uncompressed ones, or land on the host.
+
+**Validation.** With ``validate`` (the default, as for host batches), a stream whose schema has contents to
+check (offsets, views, union ids, dictionary indices, run ends) is mirrored through the host decoder: each of
+its bodies is copied to the host once and checked there, and a bad one raises
+:class:`~dissoc.errors.CodecError` before its batch is handed out. Streams of fixed-width columns only need
+no such copy (the metadata's sizes, always checked, are enough). ``ClientOptions(validate=False)`` turns the
+mirror off for trusted servers.
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ import logging
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
-from dissoc.codec import parse
+from dissoc.codec import MessageDecoder, parse
 from dissoc.codec.message import HeaderType, encode_dictionary_batch, encode_record_batch
 from dissoc.device import DeviceBatch, DeviceDecoder
 from dissoc.errors import CodecError, ProtocolError
@@ -41,9 +49,11 @@ log = logging.getLogger(__name__)
 class DeviceLanding:
     """Turns one stream's messages into :class:`~dissoc.device.DeviceBatch` objects (see the module doc)."""
 
-    def __init__(self, backend: DeviceBackend | None = None) -> None:
+    def __init__(self, backend: DeviceBackend | None = None, *, validate: bool = True) -> None:
         self.backend = backend if backend is not None else get_backend()
         self.decoder = DeviceDecoder(backend=self.backend)
+        self.validate = validate
+        self._mirror: MessageDecoder | None = None  # set with the schema, when contents need checking
 
     @property
     def receives_on_device(self) -> bool:
@@ -56,15 +66,35 @@ class DeviceLanding:
 
     def schema(self, metadata: Any) -> None:
         """Take in the stream's Schema message."""
-        self.decoder.decode(bytes(metadata))
+        meta = bytes(metadata)
+        self.decoder.decode(meta)
+        if self.validate:
+            mirror = MessageDecoder()
+            mirror.decode(meta)
+            self._mirror = mirror if mirror.checks_contents else None
+
+    def _check(self, metadata: bytes, body: Any) -> None:
+        """Check a device body's contents through the host decoder (see Validation in the module doc)."""
+        mirror = self._mirror
+        if mirror is None:
+            return
+        host = self.backend.download(body) if int(body.nbytes) else np.zeros(0, np.uint8)
+        mirror.decode(metadata, pa.py_buffer(host))
+
+    def _land(self, metadata: bytes, body: Any) -> DeviceBatch | None:
+        self._check(metadata, body)
+        return self.decoder.decode(metadata, body)
 
     def packed(self, metadata: Any, body: Any) -> DeviceBatch | None:
         """A packed body, in device memory or host memory."""
         if body is None:
             return self.decoder.decode(bytes(metadata), None)
         if device_nbytes(body) is None and not self.backend.is_device_array(body):
+            if self._mirror is not None:  # on the host already: check it there before the upload
+                self._mirror.decode(bytes(metadata), body)
+                return self.decoder.decode(bytes(metadata), self.backend.upload(body))
             body = self.backend.upload(body)
-        return self.decoder.decode(bytes(metadata), body)
+        return self._land(bytes(metadata), body)
 
     def pairs(
         self, metadata: Any, pairs: PairList, reader: PairReader
@@ -88,19 +118,21 @@ class DeviceLanding:
         if span is not None and reader.zero_copy:
             view, low, high = span(pairs)
             if view is None:  # every buffer is empty
-                return self.decoder.decode(meta, self.backend.empty(parsed.body_length)), []
+                return self._land(meta, self.backend.empty(parsed.body_length)), []
             rewritten = _rewrite(parsed, rows, low, high - low)
-            return self.decoder.decode(rewritten, view), []
+            return self._land(rewritten, view), []
         gather = getattr(reader, "gather_into", None)
         if gather is not None:  # device memory: one device-to-device copy per range, straight into place
             body = self.backend.empty(parsed.body_length)
             done = gather(pairs, body, [int(o) for o in spans[:, 0]])
-            return self.decoder.decode(meta, body), done
+            return self._land(meta, body), done
         buffers, done = reader.read(pairs)
         host = np.zeros(parsed.body_length, np.uint8)
         for (offset, n), buf in zip(spans.tolist(), buffers, strict=True):
             if n and buf is not None:
                 host[offset : offset + n] = np.frombuffer(buf, np.uint8, n)
+        if self._mirror is not None:
+            self._mirror.decode(meta, pa.py_buffer(host))
         return self.decoder.decode(meta, self.backend.upload(host)), done
 
 

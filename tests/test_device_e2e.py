@@ -687,7 +687,8 @@ async def test_the_choice_of_landing(
     kind, memory = BODIES[body]
     with ServerThread({TICKET: source}, body=kind, memory=memory, arena_bytes=8 << 20) as st:
         fake.reset()
-        options = ClientOptions(landing=landing, zero_copy=zero_copy, timeout=20)
+        # the landing's own cost: content validation (a host copy of each body, tested below) is off
+        options = ClientOptions(landing=landing, zero_copy=zero_copy, timeout=20, validate=False)
         batches = [b async for b in stream_batches(st.uri, TICKET, data_uri=st.data_uri, options=options)]
         client, server = fake.calls("client"), fake.calls("server")
         assert client == want
@@ -835,16 +836,17 @@ def test_a_device_server_in_another_process(
 
             # zero-copy device landing: views of this process's mapping of the server's arena, nothing copied
             fake.reset()
-            zc = fetch_device(
-                uri, "dicts", data_uri=data_uri, options=ClientOptions(zero_copy=True, timeout=20)
-            )
+            trusting = ClientOptions(zero_copy=True, timeout=20, validate=False)  # no host check copies
+            zc = fetch_device(uri, "dicts", data_uri=data_uri, options=trusting)
             assert fake.calls() == {"open_ipc": 1}
             assert all(_mapping_of(m.body).name == segment for b in zc for m in b.messages)
             assert all(_segment_at(m.body.data_ptr, m.body.nbytes) == segment for b in zc for m in b.messages)
             assert DeviceBatch.to_table(zc).equals(expected)
             # device landing by copy (device-to-device, one copy per buffer), and host landing
             fake.reset()
-            copied = fetch_device(uri, "dicts", data_uri=data_uri, options=ClientOptions(timeout=20))
+            copied = fetch_device(
+                uri, "dicts", data_uri=data_uri, options=ClientOptions(timeout=20, validate=False)
+            )
             assert fake.calls() == {"open_ipc": 1, "copy": ranges}
             assert all(_mapping_of(m.body) is None for b in copied for m in b.messages)
             assert DeviceBatch.to_table(copied).equals(expected)
@@ -1005,6 +1007,60 @@ async def test_compressed_bodies_cannot_land_on_the_device(
                 pass
 
 
+def _stream_with_bad_offsets(path: Path) -> None:
+    """An IPC stream whose string column's last offset points past its data (written, then damaged)."""
+    strings = ["x" * i for i in range(1, 101)]
+    table = pa.table({"id": pa.array(range(100), pa.int64()), "s": pa.array(strings)})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    raw = bytearray(sink.getvalue().to_pybytes())
+    offsets = np.concatenate([[0], np.cumsum([len(x) for x in strings])]).astype("<i4").tobytes()
+    at = raw.find(offsets)
+    assert at >= 0 and raw.find(offsets, at + 1) < 0
+    raw[at + len(offsets) - 4 : at + len(offsets)] = (1 << 20).to_bytes(4, "little")
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("body", ["packed", "cuda", "shm"])
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zc"])
+async def test_device_landing_checks_contents_as_host_landing_does(
+    fake: CountingFake, tmp_path: Path, body: str, zero_copy: bool
+) -> None:
+    # the server forwards a stored stream as it is, so a damaged one reaches the client
+    path = tmp_path / "bad.arrows"
+    _stream_with_bad_offsets(path)
+    kind, memory = BODIES[body]
+    with ServerThread({TICKET: path}, body=kind, memory=memory, arena_bytes=8 << 20) as st:
+        for landing in ("host", "device"):
+            options = ClientOptions(landing=landing, zero_copy=zero_copy, timeout=20)
+            with pytest.raises(CodecError, match="offsets"):
+                async for _ in stream_batches(st.uri, TICKET, data_uri=st.data_uri, options=options):
+                    pass
+        # validation off (trusted servers): the device batch is handed out, its metadata still checked
+        trusting = ClientOptions(landing="device", zero_copy=zero_copy, timeout=20, validate=False)
+        got = [b async for b in stream_batches(st.uri, TICKET, data_uri=st.data_uri, options=trusting)]
+        assert [b.num_rows for b in got] == [100]
+
+
+@pytest.mark.parametrize("columns", ["fixed-width", "strings-and-dictionaries"])
+async def test_device_validation_copies_only_what_has_contents_to_check(
+    fake: CountingFake, expected: pa.Table, columns: str
+) -> None:
+    table = pa.table({"a": pa.array(range(4096), pa.int64()), "b": pa.array(range(4096), pa.float64())})
+    table = table if columns == "fixed-width" else expected
+    bodies, _ = _stream_cost(table)
+    with ServerThread({TICKET: table}, body="pairs", memory="cuda", arena_bytes=8 << 20) as st:
+        fake.reset()
+        options = ClientOptions(landing="device", zero_copy=True, timeout=20)
+        got = [b async for b in stream_batches(st.uri, TICKET, data_uri=st.data_uri, options=options)]
+        # fixed-width columns: nothing to check beyond the metadata's sizes, so nothing leaves the device;
+        # otherwise each body is copied to the host once and checked there
+        want = {"open_ipc": 1} if columns == "fixed-width" else {"open_ipc": 1, "download": bodies}
+        assert fake.calls("client") == want
+        assert DeviceBatch.to_table(got).equals(table)
+
+
 @pytest.mark.parametrize("damage", ["handle-63-bytes", "no-cuda-length"])
 @pytest.mark.parametrize("landing", ["host", "device"])
 async def test_a_damaged_cuda_data_uri_is_refused_before_anything_is_mapped(
@@ -1066,7 +1122,7 @@ async def test_gpu_packed_over_ucx_device_to_device(cupy_counting: CountingCupy,
     source = DeviceBatch.from_table(expected)
     async with Server({TICKET: source}, transport="ucx") as srv:
         cupy_counting.reset()
-        got = await fetch_device_async(srv.uri, TICKET, options=ClientOptions(timeout=30))
+        got = await fetch_device_async(srv.uri, TICKET, options=ClientOptions(timeout=30, validate=False))
         # sent from device memory, received into device memory: no copy through the host on either side
         assert cupy_counting.calls() == {}
         _assert_cupy_batches(got, expected)
@@ -1081,7 +1137,7 @@ async def test_gpu_host_server_to_device_client(
     bodies, _ = _stream_cost(expected)
     async with Server({TICKET: expected}, transport=transport) as srv:
         cupy_counting.reset()
-        got = await fetch_device_async(srv.uri, TICKET, options=ClientOptions(timeout=30))
+        got = await fetch_device_async(srv.uri, TICKET, options=ClientOptions(timeout=30, validate=False))
         # UCX receives straight into device memory; TCP receives on the host, then one upload per body
         assert cupy_counting.calls() == ({} if transport == "ucx" else {"upload": bodies})
         _assert_cupy_batches(got, expected)
@@ -1142,14 +1198,16 @@ def test_gpu_cuda_ipc_pairs_from_a_cli_server(
         # CUDA maps a handle once per process, so the streams share that mapping.
         for _ in range(3):
             cupy_counting.reset()
-            zc = fetch_device(
-                uri, ticket, data_uri=data_uri, options=ClientOptions(zero_copy=True, timeout=30)
-            )
+            # (content validation, a host copy per body, is off: these count the landing's own transfers)
+            trusting = ClientOptions(zero_copy=True, timeout=30, validate=False)
+            zc = fetch_device(uri, ticket, data_uri=data_uri, options=trusting)
             assert cupy_counting.calls() == {"open_ipc": 1}  # views of the server's allocation: no copy
             _assert_cupy_batches(zc, expected)
             assert DeviceBatch.to_table(zc).equals(expected)
             cupy_counting.reset()
-            copied = fetch_device(uri, ticket, data_uri=data_uri, options=ClientOptions(timeout=30))
+            copied = fetch_device(
+                uri, ticket, data_uri=data_uri, options=ClientOptions(timeout=30, validate=False)
+            )
             assert cupy_counting.calls() == {"open_ipc": 1, "copy": ranges}  # device-to-device
             _assert_cupy_batches(copied, expected)
             assert DeviceBatch.to_table(copied).equals(expected)
