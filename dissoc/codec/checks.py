@@ -78,7 +78,13 @@ def check_node(
         _need(f"{name}: sizes", sizes[2], length * w)
         offs = _at(addrs[1], length, dtype).astype(np.int64)
         lens = _at(addrs[2], length, dtype).astype(np.int64)
-        bad = (lens < 0) | ((lens > 0) & ((offs < 0) | (offs + lens > child_lengths[0])))
+        child = child_lengths[0]
+        bad = (lens < 0) | ((lens > 0) & ((offs < 0) | (offs + lens > child)))
+        # A valid slot's offset lies in the child even when the view is empty (Arrow's validation requires
+        # it, and its kernels read it); a null slot's may be anything.
+        outside = (offs < 0) | (offs > child)
+        valid = _valid_mask(addrs[0], sizes[0], length, null_count)
+        bad |= outside if valid is None else outside & valid
         if bool(bad.any()):
             i = int(np.flatnonzero(bad)[0])
             raise CodecError(

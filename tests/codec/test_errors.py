@@ -665,3 +665,20 @@ def test_binary_offsets_past_the_data_are_refused(ty: pa.DataType, last: int, sc
             decoder.decode_scattered(message.metadata, buffers)
         else:
             decoder.decode(message.metadata, bytes(body))
+
+
+@pytest.mark.parametrize("rows", [50, 20000], ids=["small", "large"])
+def test_list_view_offsets_of_empty_valid_slots_must_lie_in_the_child(rows: int) -> None:
+    values = [[j for j in range(i % 3)] for i in range(rows)]
+    batch = pa.record_batch({"v": pa.array(values, pa.list_view(pa.int32()))})
+    encoder = codec.MessageEncoder(batch.schema)
+    message = encoder.encode(batch)[-1]
+    body = bytearray(b"".join(bytes(memoryview(b)) for b in message.body_buffers))
+    spans = codec.parse(message.metadata).batch
+    assert spans is not None
+    offsets_at = int(spans.buffers[1, 0])  # validity, offsets, sizes, then the child's buffers
+    body[offsets_at : offsets_at + 4] = (-1).to_bytes(4, "little", signed=True)  # slot 0 is empty
+    decoder = codec.MessageDecoder()
+    decoder.decode(encoder.schema_message().metadata)
+    with pytest.raises(CodecError, match=r"list view 0|offset for slot 0"):  # ours, or pyarrow's (small)
+        decoder.decode(message.metadata, bytes(body))
