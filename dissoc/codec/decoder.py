@@ -8,6 +8,7 @@ never copied: arrays are built over the body through the C Data Interface (see :
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import threading
@@ -184,6 +185,7 @@ class _Compiled:
         starts = [k - 1 for k in children[0]] + [n]
         self.full_columns: list[int] = []
         self.checked: list[int] = []
+        self.offset_bounds: list[tuple[int, int]] = []  # (binary node, offset width) of full columns
         for col, plan in enumerate(plans):
             nodes_of_col = range(starts[col], starts[col + 1])
             risky_nodes = [j for j in nodes_of_col if flat[j].layout in risky or flat[j].dict_id >= 0]
@@ -192,8 +194,12 @@ class _Compiled:
             if _fully_validatable(plan.field.type):
                 self.full_columns.append(col)
                 # Arrow's C importer sizes a binary node's data buffer from its last offset, so its full
-                # validation cannot see offsets past the data received: those are checked here, always.
-                self.checked.extend(j for j in risky_nodes if flat[j].layout in _SIZED_BY_OFFSETS)
+                # validation cannot see offsets past the data received: the bounds are checked here.
+                self.offset_bounds.extend(
+                    (j, 8 if flat[j].layout == Layout.LARGE_BINARY else 4)
+                    for j in risky_nodes
+                    if flat[j].layout in _SIZED_BY_OFFSETS
+                )
             else:
                 self.checked.extend(risky_nodes)
         self.all_full = len(self.full_columns) == len(plans)
@@ -211,6 +217,8 @@ def _exclusive_cumsum(a: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
 
 _CACHE_SIZE = 64
 _SMALL_BATCH_ROWS = 8192
+#: Node lengths above this need more bytes than any body can have (see _required_sizes).
+_MAX_NODE_LENGTH = 1 << 56
 #: Schemas decoded in this process, by their Schema message bytes: (schema info, version, compiled plans).
 #: A client opens one stream per request, each starting with the same Schema message; sharing the compiled
 #: plans (and, through them, the parsed and prepared batch layouts) saves ~0.35 ms per stream. Everything
@@ -608,6 +616,8 @@ class MessageDecoder:
             self._check(
                 c, prep.nodes, prep.nbuf, prep.first, prep.offsets + np.uint64(address), prep.lengths, checked
             )
+        if small and c.offset_bounds and self.validate:
+            self._check_offset_bounds(c, prep, address)
         keep = cdata.Keepalive()
         mem = pa.allocate_buffer(8 * len(prep.words))
         keep.objects += (body, mem, *prep.extra)
@@ -695,6 +705,26 @@ class MessageDecoder:
                 (batch if c.all_full else batch.select(c.full_columns)).validate(full=True)
         except (pa.ArrowException, ValueError) as e:
             raise CodecError(f"RecordBatch: invalid data: {e}") from None
+
+    @staticmethod
+    def _check_offset_bounds(c: _Compiled, prep: _Prepared, address: int) -> None:
+        """A binary node's offsets start at >= 0 and end within the data received (pyarrow's full validation,
+        which follows, checks the offsets in between against those two)."""
+        for i, width in c.offset_bounds:
+            length = int(prep.nodes[i, 0])
+            if length == 0:
+                continue
+            k = int(prep.first[i])
+            at = int(prep.offsets[k + 1]) + address
+            ctype = ctypes.c_int64 if width == 8 else ctypes.c_int32
+            first = ctype.from_address(at).value
+            last = ctype.from_address(at + length * width).value
+            limit = int(prep.lengths[k + 2])
+            if first < 0 or last > limit or last < first:
+                raise CodecError(
+                    f"field {c.flat[i].field.name!r}: offsets must rise from >= 0 to at most {limit}, got "
+                    f"first {first}, last {last}"
+                )
 
     def _check_sizes(
         self,
@@ -874,7 +904,9 @@ def _required_sizes(
 ) -> npt.NDArray[np.int64]:
     """The bytes each buffer must hold for this batch's node lengths (what Arrow will read)."""
     node, mul, plus, bits, validity = rules
-    length = nodes[node, 0]
+    # Lengths beyond any real buffer are clamped first, so that (length + 1) * width cannot wrap around int64
+    # into a small requirement (a node of length 2**63 - 1 once passed as needing a negative size).
+    length = np.minimum(nodes[node, 0], _MAX_NODE_LENGTH)
     req: npt.NDArray[np.int64] = np.where(bits, (length + 7) // 8, (length + (length > 0) * plus) * mul)
     req[validity & (nodes[node, 1] == 0)] = 0
     return req

@@ -682,3 +682,24 @@ def test_list_view_offsets_of_empty_valid_slots_must_lie_in_the_child(rows: int)
     decoder.decode(encoder.schema_message().metadata)
     with pytest.raises(CodecError, match=r"list view 0|offset for slot 0"):  # ours, or pyarrow's (small)
         decoder.decode(message.metadata, bytes(body))
+
+
+def test_a_node_length_near_int64_max_is_refused_not_wrapped() -> None:
+    # (length + 1) * 4 once wrapped around int64 into a size requirement that every buffer met, and Arrow's
+    # importer then read the offsets at a wrapped-around address; the size check must refuse it
+    types = pa.array([0, 1] * 6, pa.int8())
+    offsets = pa.array([i // 2 for i in range(12)], pa.int32())
+    strings = pa.array(["ab", None, "c", "de", "f", "gh"])
+    union = pa.UnionArray.from_dense(types, offsets, [pa.array(range(6), pa.int64()), strings])
+    batch = pa.record_batch({"u": union})
+    encoder = codec.MessageEncoder(batch.schema)
+    message = encoder.encode(batch)[-1]
+    child = struct.pack("<qq", 6, 1)  # the string child's FieldNode: length 6, 1 null
+    metadata = bytes(message.metadata)
+    assert metadata.count(child) == 1
+    metadata = metadata.replace(child, struct.pack("<qq", 2**63 - 1, 1))
+    decoder = codec.MessageDecoder()
+    decoder.decode(encoder.schema_message().metadata)
+    body = b"".join(bytes(memoryview(b)) for b in message.body_buffers)
+    with pytest.raises(CodecError, match="are needed"):
+        decoder.decode(metadata, body)
