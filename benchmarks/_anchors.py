@@ -358,6 +358,31 @@ def run_paths(
                 dataset.path.unlink(missing_ok=True)
 
 
+def select_paths(
+    paths: Sequence[tuple[str, str, Any]], only: str | None, groups: dict[str, Iterable[str]] | None = None
+) -> list[tuple[str, str, Any]]:
+    """The paths ``--only`` names (comma-separated): an exact slug is that path alone, otherwise a prefix
+    selects every slug it starts; ``groups`` names sets of slugs (e.g. ``anchors``). All paths without it."""
+    if not only:
+        return list(paths)
+    slugs = [slug for slug, _, _ in paths]
+    chosen: set[str] = set()
+    for selector in (s.strip().lower().replace(" ", "-").replace("_", "-") for s in only.split(",")):
+        if not selector:
+            continue
+        if groups and selector in groups:
+            matched = set(groups[selector])
+        elif selector in slugs:
+            matched = {selector}
+        else:
+            matched = {slug for slug in slugs if slug.startswith(selector)}
+        if not matched:
+            names = ", ".join(slugs + sorted(groups or {}))
+            raise SystemExit(f"--only: {selector!r} matches no path (paths: {names})")
+        chosen |= matched
+    return [path for path in paths if path[0] in chosen]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Server subprocesses
 

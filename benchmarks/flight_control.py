@@ -201,15 +201,7 @@ def _progress(message: str) -> None:
 
 
 def _select(only: str | None) -> list[tuple[str, str, PathFactory]]:
-    if not only:
-        return list(PATHS)
-    chosen = set()
-    for selector in (s.strip().lower() for s in only.split(",") if s.strip()):
-        matched = {slug for slug, _, _ in PATHS if slug.startswith(selector)}
-        if not matched:
-            raise SystemExit(f"--only: {selector!r} matches none of {', '.join(s for s, _, _ in PATHS)}")
-        chosen |= matched
-    return [p for p in PATHS if p[0] in chosen]
+    return anchors.select_paths(PATHS, only)
 
 
 def run(

@@ -404,24 +404,7 @@ def _progress(message: str) -> None:
 
 
 def _select(only: str | None) -> list[tuple[str, str, PathFactory]]:
-    if not only:
-        return list(PATHS)
-    chosen: set[str] = set()
-    slugs_all = {slug for slug, _, _ in PATHS}
-    for selector in (s.strip().lower().replace(" ", "-").replace("_", "-") for s in only.split(",")):
-        if not selector:
-            continue
-        if selector == "anchors":
-            matched = {slug for slug, _, _ in anchors.ANCHORS}
-        elif selector in slugs_all:  # an exact slug is that path only, even if it prefixes others
-            matched = {selector}
-        else:
-            matched = {slug for slug, _, _ in PATHS if slug.startswith(selector)}
-        if not matched:
-            slugs = ", ".join(slug for slug, _, _ in PATHS)
-            raise SystemExit(f"--only: {selector!r} matches no path (paths: {slugs}, or 'anchors')")
-        chosen |= matched
-    return [path for path in PATHS if path[0] in chosen]
+    return anchors.select_paths(PATHS, only, {"anchors": [slug for slug, _, _ in anchors.ANCHORS]})
 
 
 def run(
