@@ -14,14 +14,13 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import pyarrow as pa
 
 from dissoc.codec import MessageEncoder, iter_messages, parse
 from dissoc.datasets import Catalog, Dataset, DeviceDataset, IpcFileDataset, IpcStreamDataset, TableDataset
 from dissoc.errors import DissocError, TransportError
-from dissoc.memory.device import FakeDeviceArray
 from dissoc.placements import Placements, Scope
 from dissoc.protocol import (
     BODY_PAIRS,
@@ -122,7 +121,7 @@ async def _encoded_messages(
         for item in stored:
             yield item
         return
-    if isinstance(dataset, DeviceDataset) and options.compression is None:
+    if _device_bodies(dataset, options):
         from dissoc.device import DeviceEncoder
 
         batches = dataset.batches
@@ -184,6 +183,7 @@ async def stream_dataset(
     # Coalescing only where the next message is ready at once (stored or in-memory data): a source read in
     # a worker thread flushes every message, so the client never waits on a half-filled batch of frames.
     coalesce = _same_every_time(dataset)
+    device = _device_bodies(dataset, options)  # each body is then one device array
     placements = options.placements if data and options.arena is not None else None
     # Taken before the first await: the dataset is the one the catalog just gave.
     scope = _scope(dataset, placements, current) if placements is not None else None
@@ -212,13 +212,14 @@ async def stream_dataset(
                     conn,
                     scope,
                     sent.seq,
-                    lambda: _place(conn, placements, _split_body(metadata, _for_arena(body, placements))),  # noqa: B023
+                    lambda: _place(conn, placements, _buffers_for_arena(metadata, body, device, placements)),  # noqa: B023
                 )
                 assert options.ledger is not None
                 options.ledger.record(conn, pairs)
                 await conn.send_tagged(make_body_tag(sent.seq, BODY_PAIRS), encode_pairs(pairs))
             elif data and sent.tag is not None:
-                body = _for_connection(body, conn)
+                if device:
+                    body = [_device_for_connection(body[0], conn)]
                 pending.append((sent.tag, body))
                 pending_bytes += sum(_nbytes(b) for b in body)
             if not coalesce or pending_bytes >= _COALESCE_BYTES or len(pending) >= _COALESCE_MESSAGES:
@@ -245,40 +246,33 @@ async def stream_dataset(
         return stream.next_seq
 
 
-def _device_body(body: list[Any]) -> Any:
-    """The device array of a body from a device dataset (one buffer), or None for host bodies."""
-    if len(body) != 1:
-        return None
-    item = body[0]
-    if device_nbytes(item) is None and not isinstance(item, FakeDeviceArray):
-        return None
-    return item
+def _device_bodies(dataset: Dataset, options: ServeOptions) -> TypeGuard[DeviceDataset]:
+    """Whether the dataset's bodies are sent from device memory (device batches, served uncompressed)."""
+    return isinstance(dataset, DeviceDataset) and options.compression is None
 
 
-def _for_connection(body: list[Any], conn: Connection) -> list[Any]:
-    """A packed body as the connection can send it: device memory as is on a transport that moves it
-    (UCX), after the producing work has finished; else copied to the host."""
-    device = _device_body(body)
-    if device is None:
-        return body
+def _device_for_connection(body: Any, conn: Connection) -> Any:
+    """A device body as the connection can send it: as is on a transport that moves device memory (UCX),
+    once the producing work has finished; else copied to the host."""
     from dissoc.memory.device import get_backend
 
     backend = get_backend()
-    if conn.device_memory and device_nbytes(device) is not None:
+    if conn.device_memory and device_nbytes(body) is not None:
         backend.synchronize()
         return body
-    return [backend.download(device)]
+    return backend.download(body)
 
 
-def _for_arena(body: list[Any], placements: Placements) -> list[Any]:
-    """A body as the arena can take it: device memory goes device-to-device into a device arena, through
-    the host into a host one."""
-    device = _device_body(body)
-    if device is None or getattr(placements.arena, "is_device", False):
-        return body
-    from dissoc.memory.device import get_backend
+def _buffers_for_arena(metadata: Any, body: list[Any], device: bool, placements: Placements) -> list[Any]:
+    """The message's buffers to place: slices of a device body for a device arena (copied device to
+    device), else host buffers (a device body is copied to the host first)."""
+    if device:
+        if placements.arena.is_device:
+            return [body[0][o : o + n] if n else b"" for o, n in _spans(metadata)]
+        from dissoc.memory.device import get_backend
 
-    return [pa.py_buffer(get_backend().download(device))]
+        body = [pa.py_buffer(get_backend().download(body[0]))]
+    return _split_body(metadata, body)
 
 
 def _nbytes(buffer: Any) -> int:
@@ -331,14 +325,17 @@ def _error(stream: ServerStream, code: str, message: str) -> bytes:
         return encode_error(stream.next_seq, code, message)
 
 
+def _spans(metadata: Any) -> list[tuple[int, int]]:
+    """The (offset, length) of each buffer of a batch message's body."""
+    batch = parse(metadata).batch
+    assert batch is not None
+    return [(int(o), int(n)) for o, n in batch.buffers.tolist()]
+
+
 def _split_body(metadata: Any, body: list[Any]) -> list[Any]:
     """One buffer per entry of the metadata's ``buffers`` (empty ones as ``b""``), from a packed body given
     as one buffer (stored data) or as the encoder's pieces (buffers and padding)."""
-    spans = parse(metadata).batch
-    assert spans is not None
-    entries = spans.buffers.tolist()
-    if _device_body(body) is not None:  # a device array: its slices, for a device arena
-        return [body[0][o : o + n] if n else b"" for o, n in entries]
+    entries = _spans(metadata)
     if len(body) == 1 and isinstance(body[0], pa.Buffer):
         whole = body[0]
         return [whole.slice(o, n) if n else b"" for o, n in entries]

@@ -61,6 +61,9 @@ class FreeListArena:
     Subclasses provide the memory: :meth:`_check_open`, :meth:`_measure`, :meth:`_fill` and :attr:`_label`.
     """
 
+    #: Whether :meth:`place` takes device arrays (device-to-device copies); host arenas take host memory.
+    is_device = False
+
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
         self._closed = False
