@@ -43,7 +43,7 @@ from dissoc.protocol import (
 )
 from dissoc.protocol.framing import ErrorMessage
 from dissoc.transport import Connection, connect
-from dissoc.transport.base import default_allocator, device_nbytes
+from dissoc.transport.base import buffer_nbytes, default_allocator
 from dissoc.uri import DissocURI
 
 if TYPE_CHECKING:
@@ -123,11 +123,6 @@ async def settle(timeout: float = 5.0) -> None:
     mine = [t for t in _background if t.get_loop() is loop and not t.done()]
     if mine:
         await asyncio.wait(mine, timeout=timeout)
-
-
-def _nbytes(body: Any) -> int:
-    size = device_nbytes(body)
-    return size if size is not None else memoryview(body).nbytes
 
 
 def _ticket_bytes(ticket: str | bytes) -> bytes:
@@ -367,7 +362,7 @@ class _Session:
         if ev.body_type != BODY_PACKED:
             raise ProtocolError(f"message {fmt_seq(ev.seq)}: unknown body type {ev.body_type}")
         body = ev.body
-        n = 0 if body is None else _nbytes(body)
+        n = 0 if body is None else buffer_nbytes(body)
         self.in_flight -= n
         if self.reading_paused and self.in_flight < self.options.max_in_flight_bytes // 2:
             self.reading_paused = False

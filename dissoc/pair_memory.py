@@ -126,8 +126,6 @@ class PairReader:
     """
 
     zero_copy = False
-    #: What the pairs point at (the data URI's ``memory``).
-    memory = "shm"
 
     def read(self, pairs: PairList) -> tuple[list[pa.Buffer | None], list[int]]:
         """One host buffer per pair (None for an empty one), and the offsets that may be freed now."""
@@ -273,8 +271,6 @@ def _rma_endpoint(worker: bytes) -> Any:
 class _UcxGet(PairReader):
     """Reads every listed range with one-sided UCX GETs into a private buffer, then frees at once."""
 
-    memory = "ucx"
-
     def __init__(self, uri: DissocURI, timeout: float) -> None:
         params = uri.params
         try:
@@ -368,8 +364,6 @@ class _CudaReader(_Leasing):
     released) or device-to-device copies (freed at once). :meth:`close` unmaps, or, while zero-copy views are
     alive, leaves that to the release of the last of them.
     """
-
-    memory = "cuda"
 
     def __init__(
         self,

@@ -35,7 +35,7 @@ from dissoc.protocol import (
 )
 from dissoc.protocol.ledger import Ledger
 from dissoc.transport import Connection, Listener, serve
-from dissoc.transport.base import device_nbytes
+from dissoc.transport.base import buffer_nbytes, device_nbytes
 from dissoc.uri import DissocURI
 
 __all__ = ["Role", "RoleServer", "ServeOptions", "serve_connection", "stream_dataset"]
@@ -221,7 +221,7 @@ async def stream_dataset(
                 if device:
                     body = [_device_for_connection(body[0], conn)]
                 pending.append((sent.tag, body))
-                pending_bytes += sum(_nbytes(b) for b in body)
+                pending_bytes += sum(buffer_nbytes(b) for b in body)
             if not coalesce or pending_bytes >= _COALESCE_BYTES or len(pending) >= _COALESCE_MESSAGES:
                 await conn.send_many(pending)
                 pending = []
@@ -273,11 +273,6 @@ def _buffers_for_arena(metadata: Any, body: list[Any], device: bool, placements:
 
         body = [pa.py_buffer(get_backend().download(body[0]))]
     return _split_body(metadata, body)
-
-
-def _nbytes(buffer: Any) -> int:
-    size = device_nbytes(buffer)
-    return size if size is not None else memoryview(buffer).nbytes
 
 
 async def _place(conn: Connection, placements: Placements, buffers: list[Any]) -> list[tuple[int, int]]:

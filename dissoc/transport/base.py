@@ -112,8 +112,13 @@ class TaggedMessage(NamedTuple):
     @property
     def nbytes(self) -> int:
         """The payload's length in bytes (host or device memory)."""
-        size = device_nbytes(self.payload)
-        return size if size is not None else _byte_view(self.payload).nbytes
+        return buffer_nbytes(self.payload)
+
+
+def buffer_nbytes(obj: Any) -> int:
+    """The length in bytes of a buffer in host memory (bytes-like) or device memory."""
+    size = device_nbytes(obj)
+    return size if size is not None else _byte_view(obj).nbytes
 
 
 def device_nbytes(obj: Any) -> int | None:
