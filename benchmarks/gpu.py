@@ -103,7 +103,7 @@ async def _serve(mode: str, size_mib: int, count: int) -> None:
 
 
 def _backend(fake: bool) -> Any:
-    from dissoc.memory.device import FakeDeviceBackend, get_backend
+    from dissoc.memory.cuda import FakeDeviceBackend, get_backend
 
     return FakeDeviceBackend() if fake else get_backend()
 

@@ -125,7 +125,7 @@ def serve_flight(paths: Sequence[Path]) -> None:
 
 async def _serve_dissoc(paths: Sequence[Path], resident: bool = True) -> None:
     from dissoc.datasets import dataset_from
-    from dissoc.placements import Placements
+    from dissoc.memory.placements import Placements
     from dissoc.server import Server
 
     original = Placements.acquire

@@ -197,18 +197,12 @@ async def _get(args: argparse.Namespace) -> int:
     from dissoc import codec
     from dissoc.client import ClientOptions, FetchStats, stream_batches
 
-    uri, data_uri = args.uri, args.data_uri
-    endpoints = [(uri, data_uri, args.ticket)]
-    from dissoc.flight import is_flight_location
-
-    if is_flight_location(uri):
-        from dissoc.flight import resolve
-
-        if data_uri is not None:
-            raise DissocError("--data-uri does not apply to a Flight location: it names each endpoint's URIs")
-        endpoints = await asyncio.to_thread(resolve, uri, args.ticket, timeout=args.timeout)
     options = ClientOptions(
-        timeout=args.timeout, ucx_path=args.ucx_path, landing=args.landing, zero_copy=args.zero_copy
+        timeout=args.timeout,
+        ucx_path=args.ucx_path,
+        landing=args.landing,
+        zero_copy=args.zero_copy,
+        flight_timeout=args.timeout,
     )
     stats = FetchStats()
     progress = _Progress(not args.no_progress)
@@ -217,22 +211,26 @@ async def _get(args: argparse.Namespace) -> int:
     schema_holder: list[Any] = []
     nbytes = 0
     count = 0
-    rows = 0
     try:
-        for uri, data_uri, ticket in endpoints:
-            async for batch in stream_batches(
-                uri, ticket, data_uri=data_uri, options=options, stats=stats, on_schema=schema_holder.append
-            ):
-                nbytes += batch.nbytes
-                count += 1
-                if args.output is not None:
-                    host = batch if isinstance(batch, pa.RecordBatch) else batch.to_arrow()
-                    if writer is None:
-                        writer = _open_writer(args.output, host.schema)
-                    writer.write_batch(host)
-                del batch
-                progress.update(count, nbytes, started)
-            rows += stats.rows
+        # A Flight location (grpc://) is resolved by the client into its endpoints, read in order.
+        async for batch in stream_batches(
+            args.uri,
+            args.ticket,
+            data_uri=args.data_uri,
+            options=options,
+            stats=stats,
+            on_schema=schema_holder.append,
+        ):
+            nbytes += batch.nbytes
+            count += 1
+            if args.output is not None:
+                host = batch if isinstance(batch, pa.RecordBatch) else batch.to_arrow()
+                if writer is None:
+                    writer = _open_writer(args.output, host.schema)
+                writer.write_batch(host)
+            del batch
+            progress.update(count, nbytes, started)
+        rows = stats.rows
         if args.output is not None and writer is None and schema_holder:
             writer = _open_writer(args.output, schema_holder[0])
     finally:

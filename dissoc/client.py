@@ -20,13 +20,15 @@ import threading
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import pyarrow as pa
 
+from dissoc.buffers import buffer_nbytes, default_allocator
 from dissoc.codec import MessageDecoder
 from dissoc.errors import DissocError, ProtocolError, RemoteError, ResourceError, TransportError
-from dissoc.pair_memory import PairReader, open_pair_reader
+from dissoc.flight.common import DEFAULT_TIMEOUT, is_flight_location
+from dissoc.memory.pairs import PairReader, open_pair_reader
 from dissoc.protocol import (
     BODY_ERROR,
     BODY_PACKED,
@@ -43,12 +45,11 @@ from dissoc.protocol import (
 )
 from dissoc.protocol.framing import ErrorMessage
 from dissoc.transport import Connection, connect
-from dissoc.transport.base import buffer_nbytes, default_allocator
 from dissoc.uri import DissocURI
 
 if TYPE_CHECKING:
     from dissoc.device import DeviceBatch
-    from dissoc.device_landing import DeviceLanding
+    from dissoc.device.landing import DeviceLanding
 
 #: What a stream yields: host batches, or device batches with ``ClientOptions(landing="device")``.
 Batch: TypeAlias = "pa.RecordBatch | DeviceBatch"
@@ -60,12 +61,11 @@ __all__ = [
     "fetch",
     "fetch_async",
     "open_stream",
+    "resolve_endpoints",
     "stream_batches",
 ]
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 #: Tasks that outlive the call that started them (zero-copy sessions waiting for their batches to go).
 _background: set[asyncio.Task[None]] = set()
@@ -92,7 +92,9 @@ class ClientOptions:
     batches are views over the server's device allocation (CUDA IPC), freed the same way.
     ``landing``: where batches land, whatever memory the server keeps them in: ``"host"`` (``pa.RecordBatch``)
     or ``"device"`` (:class:`dissoc.device.DeviceBatch`, CUDA memory through CuPy; needs the ``gpu`` extra and
-    uncompressed bodies). See :mod:`dissoc.device_landing` for how each body gets there.
+    uncompressed bodies). See :mod:`dissoc.device.landing` for how each body gets there.
+    ``flight_timeout``: seconds a Flight control plane (a ``grpc://`` location) may take to describe a
+    dataset before the fetch fails.
     """
 
     timeout: float = 30.0
@@ -104,6 +106,7 @@ class ClientOptions:
     ucx_path: str = "auto"
     zero_copy: bool = False
     landing: str = "host"
+    flight_timeout: float | None = DEFAULT_TIMEOUT
 
 
 @dataclass(slots=True)
@@ -171,7 +174,7 @@ class _Session:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.device: DeviceLanding | None = None
         if options.landing == "device":
-            from dissoc.device_landing import DeviceLanding
+            from dissoc.device.landing import DeviceLanding
 
             self.device = DeviceLanding(validate=options.validate)
         elif options.landing != "host":
@@ -448,6 +451,38 @@ class _Session:
             self.pairs.close()
 
 
+#: One stream to read: (metadata URI, data URI or None for the same, ticket).
+Endpoint: TypeAlias = "tuple[str | DissocURI, str | DissocURI | None, str | bytes]"
+
+
+async def resolve_endpoints(
+    uri: str | DissocURI,
+    ticket: str | bytes,
+    *,
+    data_uri: str | DissocURI | None = None,
+    options: ClientOptions | None = None,
+) -> tuple[list[Endpoint], pa.Schema | None]:
+    """The streams a fetch of ``ticket`` at ``uri`` reads, and the schema when it is known up front.
+
+    A dissoc URI is one stream. A Flight location (``grpc://``) is resolved with GetFlightInfo into every
+    endpoint it lists (their metadata and data URIs and tickets) and the dataset's schema; this is the one
+    place where the client's entry points (:func:`fetch`, :func:`stream_batches`, :func:`open_stream`, and
+    ``dissoc get``) turn a control plane's location into streams.
+    """
+    if not (isinstance(uri, str) and is_flight_location(uri)):
+        return [(uri, data_uri, ticket)], None
+    if data_uri is not None:
+        raise DissocError(
+            "data_uri does not apply to a Flight location (grpc://): the control plane gives each "
+            "endpoint's URIs"
+        )
+    from dissoc.flight.client import describe
+
+    timeout = (options or ClientOptions()).flight_timeout
+    info = await asyncio.to_thread(describe, uri, ticket, timeout=timeout)
+    return list(info.endpoints), info.schema
+
+
 async def stream_chunks(
     uri: str | DissocURI,
     ticket: str | bytes,
@@ -460,8 +495,56 @@ async def stream_chunks(
     """Like :func:`stream_batches`, but yields every batch that is already complete at once, as a list.
 
     Waits only when nothing is ready; consumers that pay a fixed cost per resumption (the synchronous
-    reader) use this to pay it once per burst instead of once per batch.
+    reader) use this to pay it once per burst instead of once per batch. A Flight location's endpoints are
+    read one after the other, in the order listed; they must share one schema.
     """
+    endpoints, schema = await resolve_endpoints(uri, ticket, data_uri=data_uri, options=options)
+    if schema is None and len(endpoints) == 1:
+        one = _stream_one(*endpoints[0], options=options, stats=stats, on_schema=on_schema)
+        async with contextlib.aclosing(one):
+            async for chunk in one:
+                yield chunk
+        return
+    first: list[pa.Schema] = [] if schema is None else [schema]
+    if schema is not None and on_schema is not None:
+        on_schema(schema)
+
+    def check_schema(got: pa.Schema) -> None:
+        if not first:
+            first.append(got)
+            if on_schema is not None:
+                on_schema(got)
+        elif not got.equals(first[0]):
+            raise ProtocolError(f"the endpoints of {ticket!r} at {uri} sent different schemas")
+
+    total = FetchStats()
+    try:
+        for meta, data, t in endpoints:
+            part = FetchStats()
+            one = _stream_one(meta, data, t, options=options, stats=part, on_schema=check_schema)
+            try:
+                async with contextlib.aclosing(one):
+                    async for chunk in one:
+                        yield chunk
+            finally:
+                total.batches += part.batches
+                total.rows += part.rows
+                total.bytes += part.bytes
+    finally:
+        if stats is not None:
+            stats.batches, stats.rows, stats.bytes = total.batches, total.rows, total.bytes
+
+
+async def _stream_one(
+    uri: str | DissocURI,
+    data_uri: str | DissocURI | None,
+    ticket: str | bytes,
+    *,
+    options: ClientOptions | None,
+    stats: FetchStats | None,
+    on_schema: Callable[[pa.Schema], None] | None,
+) -> AsyncGenerator[list[Batch], None]:
+    """One stream's batches, in bursts (see :func:`stream_chunks`)."""
     opts = options or ClientOptions()
     meta = _as_uri(uri)
     data = _as_uri(data_uri) if data_uri is not None else meta
@@ -532,19 +615,30 @@ async def fetch_async(
     data_uri: str | DissocURI | None = None,
     options: ClientOptions | None = None,
 ) -> pa.Table:
-    """Fetch a whole stream as a ``pa.Table``; ``uri`` may also be a Flight control plane (``grpc://``)."""
-    if isinstance(uri, str):
-        from dissoc.flight import fetch_via_flight_async, is_flight_location
-
-        if is_flight_location(uri):
-            if data_uri is not None:
-                raise DissocError(
-                    "data_uri does not apply to a Flight location (grpc://): the control plane gives each "
-                    "endpoint's URIs"
-                )
-            return await fetch_via_flight_async(uri, ticket, options=options)
+    """Fetch a whole stream as a ``pa.Table``; ``uri`` may also be a Flight control plane (``grpc://``),
+    whose endpoints are then fetched concurrently and concatenated in the order listed."""
     if options is not None and options.landing != "host":
         raise DissocError("fetch returns a host table; use fetch_device for landing='device'")
+    endpoints, schema = await resolve_endpoints(uri, ticket, data_uri=data_uri, options=options)
+    if schema is not None:
+        if not endpoints:
+            return schema.empty_table()
+        tables: list[pa.Table] = await _gather([_fetch_one(u, d, t, options) for u, d, t in endpoints])
+        if len(tables) == 1:
+            return tables[0]
+        try:
+            return pa.concat_tables(tables)
+        except pa.ArrowInvalid as e:
+            raise ProtocolError(f"the endpoints of {ticket!r} at {uri} sent different schemas: {e}") from None
+    return await _fetch_one(uri, data_uri, ticket, options)
+
+
+async def _fetch_one(
+    uri: str | DissocURI,
+    data_uri: str | DissocURI | None,
+    ticket: str | bytes,
+    options: ClientOptions | None,
+) -> pa.Table:
     schema: list[pa.Schema] = []
     batches = [
         b
@@ -589,6 +683,23 @@ def fetch_device(
     if options is not None and options.zero_copy:
         return _SharedRunner.get().run(coro())  # type: ignore[no-any-return]
     return _run(coro)  # type: ignore[no-any-return]
+
+
+async def _gather(coros: list[Any]) -> list[Any]:
+    """Run ``coros`` concurrently; the first failure cancels the rest and is raised as it is."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in tasks:
+            if t.done() and not t.cancelled():
+                error = t.exception()
+                if error is not None:
+                    raise error
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _run(coro_factory: Callable[[], Any]) -> Any:

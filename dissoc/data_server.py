@@ -1,19 +1,187 @@
-"""The data server: answers want_data with the data stream, one tagged body per message that has one.
+"""The data server: answers want_data with a ticket's bodies, and applies the client's free_data.
 
-Tags carry the sequence number in bits 0-31 and the body type in bits 56-63. If the ticket is unknown or the
-dataset fails, it sends the project's error message (prefix 0xE0, JSON) as a tagged message whose tag is
-``0xE0 << 56``, so that a client waiting for bodies fails at once instead of timing out. (Tagged, because an
-untagged reader left waiting on a data connection would keep the transport reading past its budget.)
+Each message with a body is sent as one tagged message whose tag carries its sequence number and body type:
+
+- **packed** (body type 0): the body itself, straight from where it lies (the encoder's pieces, a slice of
+  a memory-mapped file, or device memory over a transport that moves it; through the host otherwise);
+- **pairs** (body type 1): the batch's buffers are placed in the server's arena (once, for a resident
+  placement: :mod:`dissoc.memory.placements`) and the client gets their (offset, length) pairs; the ranges
+  stay alive until the client lists them in a free_data message or disconnects (:mod:`dissoc.protocol.ledger`
+  keeps the account per client).
+
+Errors on a data-only connection travel as a tagged message (tag ``0xE0 << 56``) carrying the error JSON.
 """
 
 from __future__ import annotations
 
-from dissoc.serving import Role, RoleServer
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Hashable
+from typing import Any
 
-__all__ = ["DataServer"]
+import pyarrow as pa
+
+from dissoc.buffers import buffer_nbytes, device_nbytes
+from dissoc.codec import parse
+from dissoc.datasets import Dataset, IpcStreamDataset
+from dissoc.datasets.messages import device_bodies, same_every_time
+from dissoc.errors import DissocError, TransportError
+from dissoc.memory.placements import Placements, Scope
+from dissoc.protocol import BODY_PAIRS, ServerMessage, decode_free, encode_error, encode_pairs, make_body_tag
+from dissoc.role_server import Outbox, Role, RoleServer, ServeOptions, StreamPart
+from dissoc.transport import Connection
+
+__all__ = ["DataPart", "DataServer"]
+
+log = logging.getLogger(__name__)
+
+
+class DataPart(StreamPart):
+    """The bodies of one stream on one connection, packed or as pair lists."""
+
+    def __init__(
+        self, conn: Connection, dataset: Dataset, options: ServeOptions, current: Callable[[], bool]
+    ) -> None:
+        self._conn = conn
+        self._options = options
+        self._device = device_bodies(dataset, options.compression)  # each body is then one device array
+        self._placements = options.placements
+        self._scope = _scope(dataset, self._placements, current) if self._placements is not None else None
+
+    async def message(self, out: Outbox, sent: ServerMessage, metadata: Any, body: list[Any]) -> None:
+        if sent.tag is None:
+            return
+        conn = self._conn
+        placements = self._placements
+        if placements is None:
+            if self._device:
+                body = [_device_for_connection(body[0], conn)]
+            out.add(sent.tag, body, sum(buffer_nbytes(b) for b in body))
+            return
+        # Body type 1: the buffers go into the arena (once, for a resident placement), the client gets
+        # where they are. What is queued goes first: the client must see the metadata before the pairs.
+        await out.flush()
+        pairs = await placements.acquire(
+            conn,
+            self._scope,
+            sent.seq,
+            lambda: _buffers_for_arena(metadata, body, self._device, placements),
+            gone=lambda: conn.closed,
+            what=conn.description,
+        )
+        assert self._options.ledger is not None
+        self._options.ledger.record(conn, pairs)
+        await conn.send_tagged(make_body_tag(sent.seq, BODY_PAIRS), encode_pairs(pairs))
 
 
 class DataServer(RoleServer):
-    """Serves only the data stream (the split layout's second server)."""
+    """Sends bodies only (the data stream); the metadata comes from a
+    :class:`~dissoc.metadata_server.MetadataServer`."""
 
     role = Role.DATA
+
+    def parts(self, conn: Connection, dataset: Dataset, current: Callable[[], bool]) -> list[StreamPart]:
+        return [DataPart(conn, dataset, self.options, current)]
+
+    async def serve_connection(self, conn: Connection) -> None:
+        """Answer want_data and, with pair bodies, apply free_data, until the peer leaves; then everything
+        still listed to it is given back."""
+        options = self.options
+        if options.placements is None:
+            await super().serve_connection(conn)
+            return
+        frees = asyncio.get_running_loop().create_task(self._serve_free_data(conn))
+        try:
+            await super().serve_connection(conn)
+        finally:
+            frees.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await frees
+            assert options.ledger is not None
+            # The client is gone: everything still listed to it can be reused (resident placements once no
+            # other client holds them, and the arena needs the room).
+            ranges = options.ledger.drop(conn)
+            if ranges:
+                options.placements.release(conn, ranges)
+
+    async def _serve_free_data(self, conn: Connection) -> None:
+        """Apply the client's free_data messages; a bad one is reported to this client and ends its
+        connection."""
+        options = self.options
+        assert options.free_data is not None and options.ledger is not None and options.placements is not None
+        while True:
+            try:
+                msg = await conn.recv_tagged(options.free_data)
+            except TransportError:
+                return
+            try:
+                freed = options.ledger.free_ranges(conn, decode_free(msg.view()))
+            except DissocError as e:
+                log.warning("free_data from %s rejected: %s", conn.description, e)
+                await self.send_error(conn, encode_error(0, "bad_free_data", str(e)))
+                await conn.close()
+                return
+            options.placements.release(conn, freed)
+
+
+def _scope(dataset: Dataset, placements: Placements, current: Callable[[], bool]) -> Scope | None:
+    """Where the dataset's resident placements are kept, or None when they must be made per request."""
+    if not placements.resident or not same_every_time(dataset):
+        return None
+    version: Hashable = None
+    if isinstance(dataset, IpcStreamDataset):  # read from its path on every request: notice a rewrite
+        try:
+            st = os.stat(dataset.path)
+        except OSError:
+            return None
+        version = (st.st_ino, st.st_size, st.st_mtime_ns)
+    return placements.scope(dataset, version=version, current=current)
+
+
+def _device_for_connection(body: Any, conn: Connection) -> Any:
+    """A device body as the connection can send it: as is on a transport that moves device memory (UCX),
+    once the producing work has finished; else copied to the host."""
+    from dissoc.memory.cuda import get_backend
+
+    backend = get_backend()
+    if conn.device_memory and device_nbytes(body) is not None:
+        backend.synchronize()
+        return body
+    return backend.download(body)
+
+
+def _buffers_for_arena(metadata: Any, body: list[Any], device: bool, placements: Placements) -> list[Any]:
+    """The message's buffers to place: slices of a device body for a device arena (copied device to
+    device), else host buffers (a device body is copied to the host first)."""
+    if device:
+        if placements.arena.is_device:
+            return [body[0][o : o + n] if n else b"" for o, n in _spans(metadata)]
+        from dissoc.memory.cuda import get_backend
+
+        body = [pa.py_buffer(get_backend().download(body[0]))]
+    return _split_body(metadata, body)
+
+
+def _spans(metadata: Any) -> list[tuple[int, int]]:
+    """The (offset, length) of each buffer of a batch message's body."""
+    batch = parse(metadata).batch
+    assert batch is not None
+    return [(int(o), int(n)) for o, n in batch.buffers.tolist()]
+
+
+def _split_body(metadata: Any, body: list[Any]) -> list[Any]:
+    """One buffer per entry of the metadata's ``buffers`` (empty ones as ``b""``), from a packed body given
+    as one buffer (stored data) or as the encoder's pieces (buffers and padding)."""
+    entries = _spans(metadata)
+    if len(body) == 1 and isinstance(body[0], pa.Buffer):
+        whole = body[0]
+        return [whole.slice(o, n) if n else b"" for o, n in entries]
+    at: dict[int, Any] = {}
+    pos = 0
+    for piece in body:
+        size = memoryview(piece).nbytes
+        at.setdefault(pos, piece)
+        pos += size
+    return [at[o] if n else b"" for o, n in entries]

@@ -1,23 +1,42 @@
-"""The metadata server: answers want_data with the metadata stream (5-byte prefix + Message flatbuffer).
+"""The metadata server: answers want_data with a ticket's metadata stream.
 
-As a *combined* server it also sends the data stream on the same connection, interleaved message by message,
-as in the spec's second diagram.
+Every message of the stream goes out as a metadata-stream message (the 5-byte prefix, then the Message
+flatbuffer), numbered from 0 (the Schema), then an end-of-stream message carrying the count. Bodies are not
+sent here: a data server (:mod:`dissoc.data_server`) sends them under the same sequence numbers, or a
+combined server sends both parts over one connection.
 """
 
 from __future__ import annotations
 
-from dissoc.serving import Role, RoleServer
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["CombinedServer", "MetadataServer"]
+from dissoc.datasets import Dataset
+from dissoc.protocol import ServerMessage, ServerStream
+from dissoc.role_server import Outbox, Role, RoleServer, StreamPart
+from dissoc.transport import Connection
+
+__all__ = ["MetadataPart", "MetadataServer"]
+
+
+class MetadataPart(StreamPart):
+    """The metadata stream: every message's prefix and flatbuffer, then end of stream."""
+
+    def schema(self, out: Outbox, header: bytes, metadata: Any) -> None:
+        out.add(None, [header, metadata], len(metadata) + len(header))
+
+    async def message(self, out: Outbox, sent: ServerMessage, metadata: Any, body: list[Any]) -> None:
+        out.add(None, [sent.header, metadata], len(metadata) + len(sent.header))
+
+    def end(self, out: Outbox, stream: ServerStream) -> None:
+        eos = stream.end()
+        out.add(None, eos, len(eos))
 
 
 class MetadataServer(RoleServer):
-    """Serves only the metadata stream (the split layout's first server)."""
+    """Sends the metadata stream only; bodies come from a :class:`~dissoc.data_server.DataServer`."""
 
     role = Role.METADATA
 
-
-class CombinedServer(RoleServer):
-    """Serves both streams over each connection."""
-
-    role = Role.COMBINED
+    def parts(self, conn: Connection, dataset: Dataset, current: Callable[[], bool]) -> list[StreamPart]:
+        return [MetadataPart()]

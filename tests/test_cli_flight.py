@@ -14,7 +14,8 @@ import pyarrow as pa
 import pytest
 from e2e_helpers import PYTHON, REPO, cli_server, ordered_table, sample_table
 
-from dissoc.flight import fetch_via_flight, publish, resolve
+from dissoc.client import fetch as fetch_via_flight
+from dissoc.flight import publish, resolve
 
 flight = pytest.importorskip("pyarrow.flight")
 

@@ -34,7 +34,7 @@ from dissoc.device import (
     DeviceMessage,
 )
 from dissoc.errors import CodecError, DissocError
-from dissoc.memory.device import FakeDeviceArray, FakeDeviceBackend, get_backend, use_backend
+from dissoc.memory.cuda import FakeDeviceArray, FakeDeviceBackend, get_backend, use_backend
 
 SETTINGS = settings(
     max_examples=40,
@@ -861,7 +861,7 @@ GPU_CASES = sorted(CASES)
 
 @pytest.fixture
 def cupy_backend() -> Iterator[Any]:
-    from dissoc.memory.device import CupyBackend
+    from dissoc.memory.cuda import CupyBackend
 
     backend = CupyBackend()
     with use_backend(backend):

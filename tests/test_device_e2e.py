@@ -1,7 +1,7 @@
 """Device memory end to end: servers of host tables or device batches, clients landing on the host or the
 device, over packed bodies and address/length pairs in shm or "cuda" arenas.
 
-The CPU tests run everywhere on :class:`~dissoc.memory.device.FakeDeviceBackend` (host shared memory posing as
+The CPU tests run everywhere on :class:`~dissoc.memory.cuda.FakeDeviceBackend` (host shared memory posing as
 device memory, with IPC handles another process can open). They check what needs no GPU: that data round-trips
 exactly whatever the path, where every batch lands (device arrays or host memory, views of the server's arena
 or private copies, read from ``/proc/self/maps``), what each landing costs (uploads, downloads, device copies,
@@ -44,9 +44,9 @@ from dissoc.client import (
 from dissoc.codec import MessageEncoder, iter_messages, parse
 from dissoc.device import DeviceBatch, DeviceColumn, DeviceDecoder
 from dissoc.errors import CodecError, DissocError, ProtocolError, ResourceError
-from dissoc.memory import device as device_mod
-from dissoc.memory.device import ENV_VAR, FAKE_HANDLE_MAGIC, CupyBackend, FakeDeviceBackend, use_backend
-from dissoc.memory.device_arena import DeviceArena
+from dissoc.memory import cuda as device_mod
+from dissoc.memory.cuda import ENV_VAR, FAKE_HANDLE_MAGIC, CupyBackend, FakeDeviceBackend, use_backend
+from dissoc.memory.cuda_arena import DeviceArena
 from dissoc.server import Server
 from dissoc.uri import DissocURI
 

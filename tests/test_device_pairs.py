@@ -1,6 +1,6 @@
 """Pairs with ``memory=cuda``: the device arena, handle encoding, and the client's reader, on the CPU.
 
-Everything here runs with :class:`~dissoc.memory.device.FakeDeviceBackend` (host shared memory posing as
+Everything here runs with :class:`~dissoc.memory.cuda.FakeDeviceBackend` (host shared memory posing as
 device memory, with 64-byte handles another process can open); the ``gpu``-marked tests repeat the essentials
 with CuPy and real CUDA IPC handles where a device exists.
 """
@@ -23,10 +23,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from dissoc.data_server import DataServer
 from dissoc.datasets import Catalog
 from dissoc.errors import DissocError, ProtocolError, ResourceError
-from dissoc.memory import device as device_mod
-from dissoc.memory.device import (
+from dissoc.memory import cuda as device_mod
+from dissoc.memory.cuda import (
     ENV_VAR,
     FAKE_HANDLE_MAGIC,
     IPC_HANDLE_BYTES,
@@ -36,11 +37,11 @@ from dissoc.memory.device import (
     check_ipc_handle,
     use_backend,
 )
-from dissoc.memory.device_arena import DeviceArena
+from dissoc.memory.cuda_arena import DeviceArena
+from dissoc.memory.pairs import ServedArena, cuda_region, open_pair_reader
 from dissoc.memory.shm import ShmArena
-from dissoc.pair_memory import ServedArena, cuda_region, open_pair_reader
 from dissoc.protocol import PairList, decode_pairs, encode_pairs
-from dissoc.serving import RoleServer, ServeOptions
+from dissoc.role_server import ServeOptions
 from dissoc.uri import DissocURI
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -294,8 +295,8 @@ def test_served_arena_cuda_publishes_handle_and_length(fake: FakeDeviceBackend) 
         assert served.memory == "cuda"
         assert served.remote_handle == served.arena.handle and len(served.remote_handle) == IPC_HANDLE_BYTES
         assert served.params == {"cuda_length": "5056"}
-        # the data URI as the role server builds it
-        server = RoleServer(Catalog(), ServeOptions(want_data=7, free_data=8, served=served))
+        # the data URI as the data server builds it
+        server = DataServer(Catalog(), ServeOptions(want_data=7, free_data=8, served=served))
         uri = server.uri()
         assert (uri.memory, uri.remote_handle, uri.free_data) == ("cuda", served.remote_handle, 8)
         parsed = DissocURI.parse(str(uri))
@@ -443,9 +444,10 @@ _SERVER = textwrap.dedent(
     """
     import json, sys
     import numpy as np
-    from dissoc.memory.device import get_backend
-    from dissoc.pair_memory import ServedArena
-    from dissoc.serving import RoleServer, ServeOptions
+    from dissoc.memory.cuda import get_backend
+    from dissoc.memory.pairs import ServedArena
+    from dissoc.data_server import DataServer
+from dissoc.role_server import ServeOptions
     from dissoc.datasets import Catalog
 
     def payload(seed, n):
@@ -454,7 +456,7 @@ _SERVER = textwrap.dedent(
     backend = get_backend()
     served = ServedArena("cuda", 1 << 16)
     arena = served.arena
-    uri = RoleServer(Catalog(), ServeOptions(want_data=1, free_data=2, served=served)).uri()
+    uri = DataServer(Catalog(), ServeOptions(want_data=1, free_data=2, served=served)).uri()
     batches = []
     for i, sizes in enumerate(json.loads(sys.argv[1])):
         parts = [payload(100 * i + j, n) for j, n in enumerate(sizes)]

@@ -14,7 +14,7 @@ from e2e_helpers import ServerThread
 
 from dissoc.client import ClientOptions, fetch, fetch_async, open_stream, stream_batches
 from dissoc.errors import DissocError, ProtocolError
-from dissoc.pair_memory import open_pair_reader
+from dissoc.memory.pairs import open_pair_reader
 from dissoc.protocol import PairList
 from dissoc.server import Server
 from dissoc.uri import DissocURI

@@ -1,6 +1,6 @@
 """The Flight control plane (dissoc.flight) with real parts: pyarrow's own FlightClient against it
 (ListFlights, GetFlightInfo with the dissoc URIs as locations, DoGet, DoPut, actions, errors), dissoc's
-resolve / fetch_via_flight / publish / remove against it, combined and split, and against a plain pyarrow
+resolve / fetch / publish / remove against it, combined and split, and against a plain pyarrow
 Flight server (interop and malformed FlightInfo); unreachable locations; a missing pyarrow.flight."""
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import pytest
 from e2e_helpers import PYTHON, REPO, ordered_table, sample_table, within
 
 import dissoc
+from dissoc.client import fetch as fetch_via_flight
 from dissoc.client import fetch_async
+from dissoc.client import fetch_async as fetch_via_flight_async
 from dissoc.datasets import GeneratedDataset
 from dissoc.errors import DissocError, ProtocolError, RemoteError, TransportError
 from dissoc.flight import (
@@ -30,8 +32,6 @@ from dissoc.flight import (
     ACTION_REMOVE,
     FlightControlPlane,
     describe,
-    fetch_via_flight,
-    fetch_via_flight_async,
     is_flight_location,
     list_datasets,
     publish,

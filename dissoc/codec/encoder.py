@@ -25,7 +25,9 @@ __all__ = ["EncodedMessage", "MessageEncoder"]
 
 log = logging.getLogger(__name__)
 
-ALIGNMENT = 8
+#: IPC message bodies pad every buffer to a multiple of 8 bytes (the format's minimum; allocations use
+#: :data:`dissoc.buffers.ALIGNMENT`).
+BODY_PADDING = 8
 _ZEROS = bytes(64)
 _MINUS_ONE = (-1).to_bytes(8, "little", signed=True)
 
@@ -395,7 +397,7 @@ class MessageEncoder:
                 body.append(buf)
             spans.append((pos, n))
             pos += n
-            pad = (-n) % ALIGNMENT
+            pad = (-n) % BODY_PADDING
             if pad:
                 body.append(_ZEROS[:pad])
                 pos += pad

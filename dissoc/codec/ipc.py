@@ -17,6 +17,7 @@ import flatbuffers
 import numpy as np
 import pyarrow as pa
 
+from dissoc.buffers import aligned_empty
 from dissoc.codec.decoder import MessageDecoder, ParsedMessage, parse
 from dissoc.codec.encoder import EncodedMessage, MessageEncoder
 from dissoc.codec.fb import root_table
@@ -135,7 +136,7 @@ class _Messages:
             raise CodecError(f"stream: truncated metadata ({len(meta)} of {size} bytes)")
         msg = parse(meta)
         blen = msg.body_length
-        body = _aligned(blen)
+        body = aligned_empty(blen)
         got = 0
         assert self.file is not None
         readinto = getattr(self.file, "readinto", None)
@@ -197,12 +198,6 @@ def _message_at(
             f"stream: message at offset {pos} declares a {blen}-byte body, {n - body_start} bytes remain"
         )
     return msg, meta, buf.slice(body_start, blen), body_start + blen
-
-
-def _aligned(n: int, alignment: int = 64) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    raw = np.empty(n + alignment, np.uint8)
-    skip = (-raw.ctypes.data) % alignment
-    return raw[skip : skip + n]
 
 
 # --------------------------------------------------------------------------------------------------- readers

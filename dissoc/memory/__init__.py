@@ -6,7 +6,7 @@
 
 * :mod:`~dissoc.memory.arena` -- :class:`FreeListArena`, the allocator, batch placement and backpressure that
   the host and device arenas share.
-* :mod:`~dissoc.memory.device` / :mod:`~dissoc.memory.device_arena` -- device memory behind a backend (CuPy,
+* :mod:`~dissoc.memory.cuda` / :mod:`~dissoc.memory.cuda_arena` -- device memory behind a backend (CuPy,
   or a fake for CPU tests) and :class:`DeviceArena`, the server's arena for ``memory=cuda``.
 
 UCX-registered and CUDA arenas live in their own modules and import their optional dependencies lazily.

@@ -7,7 +7,7 @@ releases while the region is full (:meth:`FreeListArena.allocate_wait`, :meth:`F
 that is the server's backpressure.
 
 What the region *is* -- host shared memory (:class:`~dissoc.memory.shm.ShmArena`) or one device allocation
-(:class:`~dissoc.memory.device_arena.DeviceArena`) -- is up to the subclass, which says how buffers are
+(:class:`~dissoc.memory.cuda_arena.DeviceArena`) -- is up to the subclass, which says how buffers are
 measured (:meth:`FreeListArena._measure`) and copied in (:meth:`FreeListArena._fill`), whether it is still
 open (:meth:`FreeListArena._check_open`), and how it names itself in messages (:attr:`FreeListArena._label`).
 
@@ -23,36 +23,19 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, Final, Self, TypeVar
+from typing import Any, Self, TypeVar
 
+from dissoc.buffers import ALIGNMENT, align_up
 from dissoc.errors import ResourceError
 
-__all__ = ["ALIGNMENT", "FreeListArena", "align_up"]
-
-ALIGNMENT: Final = 64
-"""Allocation granule and default alignment: offsets are multiples of 64, sizes are rounded up to 64."""
+__all__ = ["FreeListArena"]
 
 _T = TypeVar("_T")
-
-
-def align_up(value: int, alignment: int) -> int:
-    """``value`` rounded up to a multiple of ``alignment`` (a power of two)."""
-    return (value + alignment - 1) & ~(alignment - 1)
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
-
-
-def host_bytes(buf: Any) -> memoryview:
-    """A flat byte view of a host buffer to place (TypeError for a non-contiguous one)."""
-    mv = memoryview(buf)
-    if mv.format != "B" or mv.ndim != 1:
-        if not mv.c_contiguous:
-            raise TypeError(f"place: expected contiguous buffers, got a non-contiguous {type(buf).__name__}")
-        mv = mv.cast("B")
-    return mv
 
 
 class FreeListArena:

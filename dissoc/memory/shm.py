@@ -41,8 +41,9 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
+from dissoc.buffers import ALIGNMENT, align_up, byte_view
 from dissoc.errors import ProtocolError, ResourceError
-from dissoc.memory.arena import ALIGNMENT, FreeListArena, align_up, host_bytes
+from dissoc.memory.arena import FreeListArena
 
 __all__ = [
     "ALIGNMENT",
@@ -268,7 +269,7 @@ class ShmArena(FreeListArena):
         self._live_view()
 
     def _measure(self, buffers: Sequence[Any]) -> tuple[list[Any], list[int]]:
-        views = [host_bytes(b) for b in buffers]
+        views = [byte_view(b) for b in buffers]
         return views, [mv.nbytes for mv in views]
 
     def _fill(self, sources: list[Any], sizes: list[int], offsets: list[int]) -> None:

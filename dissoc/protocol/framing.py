@@ -21,6 +21,8 @@ import struct
 from dataclasses import dataclass
 from typing import Final
 
+from dissoc.buffers import BytesLike
+from dissoc.buffers import byte_view as as_byte_view
 from dissoc.errors import ProtocolError
 from dissoc.protocol.seq import check_seq, fmt_seq
 
@@ -42,9 +44,6 @@ __all__ = [
     "encode_prefix",
 ]
 
-BytesLike = bytes | bytearray | memoryview
-"""What the decoders accept: contiguous bytes-like objects (a memoryview of any format is viewed as bytes)."""
-
 PREFIX_SIZE: Final = 5
 """Size of the metadata-stream prefix: u8 message type, u32 LE sequence number."""
 
@@ -62,17 +61,6 @@ class MessageType(enum.IntEnum):
 _KNOWN_TYPES = "0x00 (end of stream), 0x01 (IPC metadata) or 0xe0 (error)"
 
 
-def as_byte_view(buf: BytesLike) -> memoryview:
-    """``buf`` as a flat, unsigned-byte memoryview (no copy).
-
-    Raises :class:`TypeError` for objects that are not contiguous buffers (a programming error, not bad data).
-    """
-    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
-    if mv.format != "B" or mv.ndim != 1:
-        if not mv.c_contiguous:
-            raise TypeError("expected a contiguous buffer")
-        mv = mv.cast("B")
-    return mv
 
 
 @dataclass(frozen=True, slots=True)

@@ -237,12 +237,8 @@ def _payload_nbytes(payload: object) -> int:
 
 
 def _host_view(payload: object) -> memoryview:
-    if isinstance(payload, memoryview):
+    if isinstance(payload, memoryview | bytes | bytearray | np.ndarray):
         return as_byte_view(payload)
-    if isinstance(payload, bytes | bytearray):
-        return as_byte_view(memoryview(payload))
-    if isinstance(payload, np.ndarray):
-        return as_byte_view(payload.data)
     raise TypeError(f"a pair-list body must be in host memory, got {type(payload).__name__}")
 
 

@@ -165,12 +165,12 @@ def read_manifest(location: str, name: str) -> tuple[list[WrittenPart], pa.Schem
 
     Raises DissocError when ``name`` is served but is not a manifest.
     """
-    from dissoc import flight
+    from dissoc.client import fetch
 
     schema = describe_manifest(location, name)
     if schema is None:
         return None
-    table = flight.fetch_via_flight(location, name)
+    table = fetch(location, name)
     return decode_manifest(table), manifest_data_schema(schema), manifest_jobs(schema)
 
 

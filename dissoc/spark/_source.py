@@ -239,7 +239,9 @@ def _resolve_location(location: str, name: str, timeout: float) -> tuple[list[En
         if not info.endpoints:
             raise DissocError(f"{name!r} at {location}: the control plane lists no endpoints")
         return list(info.endpoints), info.schema
-    parts = decode_manifest(flight.fetch_via_flight(location, name, timeout=timeout))
+    from dissoc.client import ClientOptions, fetch
+
+    parts = decode_manifest(fetch(location, name, options=ClientOptions(flight_timeout=timeout)))
     schema = manifest_data_schema(info.schema)
     return [(p.uri, p.data_uri, p.ticket.encode("utf-8")) for p in parts], schema  # may be none: no rows
 

@@ -1,7 +1,7 @@
 """Transports: one small asyncio interface (:class:`Connection`, :class:`Listener`) and its implementations.
 
 - ``tcp`` (:mod:`dissoc.transport.tcp`): the default, production data path; no extra dependencies.
-- ``mem`` (:mod:`dissoc.transport.memory`): in-process, with fault injection, for tests.
+- ``mem`` (:mod:`dissoc.transport.inproc`): in-process, with fault injection, for tests.
 
 :func:`connect` and :func:`serve` dispatch on a URI scheme.
 """
@@ -32,7 +32,7 @@ from dissoc.transport.base import (
     registered_schemes,
     serve,
 )
-from dissoc.transport.memory import (
+from dissoc.transport.inproc import (
     Faults,
     FaultStats,
     MemoryConnection,

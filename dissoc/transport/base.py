@@ -14,7 +14,7 @@ messages carrying a little-endian u64 tag. :class:`Connection` offers exactly th
   reading, so the sender is throttled by the transport's own flow control).
 
 Implementations share the inbox logic below and only move bytes: see :mod:`dissoc.transport.tcp` and
-:mod:`dissoc.transport.memory`. A small registry maps URI schemes to ``connect``/``serve`` functions.
+:mod:`dissoc.transport.inproc`. A small registry maps URI schemes to ``connect``/``serve`` functions.
 """
 
 from __future__ import annotations
@@ -24,20 +24,27 @@ import asyncio
 import copy
 import importlib
 import logging
-import sys
-import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NamedTuple, Self, TypeAlias
 
-import numpy as np
-
+from dissoc.buffers import (
+    ALIGNMENT,
+    DEFAULT_POOL,
+    BufferPool,
+    BytesLike,
+    aligned_empty,
+    buffer_nbytes,
+    byte_view,
+    default_allocator,
+    device_nbytes,
+)
 from dissoc.errors import DissocError, ProtocolError, ResourceError, TransportError
 
 if TYPE_CHECKING:
-    from typing_extensions import Buffer
+    pass
 
 __all__ = [
     "ALIGNMENT",
@@ -72,11 +79,6 @@ TAG_MASK_ALL = 0xFFFF_FFFF_FFFF_FFFF
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 30
 #: Default budget of received-but-unclaimed message bytes (256 MiB).
 DEFAULT_MAX_BUFFERED_BYTES = 256 << 20
-#: Alignment, in bytes, of buffers from :func:`default_allocator`.
-ALIGNMENT = 64
-
-#: A bytes-like object (numpy arrays are spelled out: their stubs declare the buffer protocol only for 3.12+).
-BytesLike: TypeAlias = "Buffer | np.ndarray[Any, Any]"
 #: Bytes-like data to send: one buffer, or a list/tuple of buffers gathered into one message.
 SendData: TypeAlias = "BytesLike | Sequence[BytesLike]"
 #: Placement hook: ``(tag, length) -> writable buffer of exactly length bytes``.
@@ -107,7 +109,7 @@ class TaggedMessage(NamedTuple):
 
     def view(self) -> memoryview:
         """A flat byte view of the payload (no copy); TypeError for a payload in device memory."""
-        return _byte_view(self.payload)
+        return byte_view(self.payload)
 
     @property
     def nbytes(self) -> int:
@@ -115,140 +117,9 @@ class TaggedMessage(NamedTuple):
         return buffer_nbytes(self.payload)
 
 
-def buffer_nbytes(obj: Any) -> int:
-    """The length in bytes of a buffer in host memory (bytes-like) or device memory."""
-    size = device_nbytes(obj)
-    return size if size is not None else _byte_view(obj).nbytes
-
-
-def device_nbytes(obj: Any) -> int | None:
-    """The size of a CUDA device buffer (an object with ``__cuda_array_interface__``), or None for others.
-
-    Only C-contiguous device buffers can be sent or received into (ValueError otherwise).
-    """
-    if getattr(type(obj), "__cuda_array_interface__", None) is None:
-        return None
-    iface = obj.__cuda_array_interface__
-    shape = tuple(int(d) for d in iface["shape"])
-    itemsize = int(str(iface["typestr"])[2:])
-    count = 1
-    for dim in shape:
-        count *= dim
-    strides = iface.get("strides")
-    if strides is not None:
-        expected = itemsize
-        for dim, stride in zip(reversed(shape), reversed(tuple(strides)), strict=True):
-            if dim > 1 and int(stride) != expected:
-                raise ValueError("device buffers must be C-contiguous")
-            expected *= dim
-    return count * itemsize
-
-
-def aligned_empty(length: int, alignment: int = ALIGNMENT) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    """An uninitialised 1-D uint8 numpy array of ``length`` bytes whose data starts on ``alignment`` bytes."""
-    raw = np.empty(length + alignment, dtype=np.uint8)
-    offset = -int(raw.ctypes.data) % alignment
-    return raw[offset : offset + length]
-
-
-class BufferPool:
-    """Recycles large aligned receive buffers once nothing references them any more.
-
-    A fresh multi-megabyte buffer costs a page fault per page the first time it is written, which halves the
-    throughput of a socket read into it. The pool keeps the raw arrays behind the buffers it hands out and
-    reuses one when its reference count shows that no view of it is left (every numpy view, memoryview or
-    pyarrow buffer over a handed-out array keeps the raw array alive, so a live buffer is never reused).
-    Buffers smaller than ``min_bytes`` are simply allocated. The pool holds at most ``max_bytes`` of raw
-    arrays; :meth:`clear` lets them go.
-    """
-
-    def __init__(
-        self, max_bytes: int = 256 << 20, min_bytes: int = 1 << 20, alignment: int = ALIGNMENT
-    ) -> None:
-        self._max_bytes = max_bytes
-        self._min_bytes = min_bytes
-        self._alignment = alignment
-        self._raws: list[np.ndarray[Any, np.dtype[np.uint8]]] = []
-        self._held = 0
-        self._lock = threading.Lock()
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of raw arrays the pool keeps (in use or idle)."""
-        return self._held
-
-    def clear(self) -> None:
-        """Forget every pooled array (arrays still in use stay valid and are freed when released)."""
-        with self._lock:
-            self._raws.clear()
-            self._held = 0
-
-    def _idle(self, index: int) -> bool:
-        # An idle raw array is referenced by the pool's list and by getrefcount's argument, nothing else.
-        return sys.getrefcount(self._raws[index]) == 2
-
-    def allocate(self, length: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        """An uninitialised aligned uint8 array of ``length`` bytes; reuses an idle pooled one if it can."""
-        alignment = self._alignment
-        if length < self._min_bytes:
-            return aligned_empty(length, alignment)
-        need = length + alignment
-        with self._lock:
-            raws = self._raws
-            best = -1
-            for index in range(len(raws)):
-                size = raws[index].nbytes
-                fits = need <= size <= 2 * need and (best < 0 or size < raws[best].nbytes)
-                if fits and self._idle(index):
-                    best = index
-            if best >= 0:
-                raw = raws[best]
-            else:
-                # Round up so that slightly different sizes can share, and keep within the budget by
-                # forgetting idle arrays (largest first).
-                size = -(-need // (2 << 20)) * (2 << 20)
-                while self._held + size > self._max_bytes:
-                    idle = [i for i in range(len(raws)) if self._idle(i)]
-                    if not idle:
-                        break
-                    victim = max(idle, key=lambda i: raws[i].nbytes)
-                    self._held -= raws[victim].nbytes
-                    del raws[victim]
-                raw = np.empty(size, dtype=np.uint8)
-                if self._held + size <= self._max_bytes:
-                    raws.append(raw)
-                    self._held += size
-        offset = -int(raw.ctypes.data) % alignment
-        return raw[offset : offset + length]
-
-
-#: The pool behind :func:`default_allocator`.
-DEFAULT_POOL = BufferPool()
-
-
-def default_allocator(tag: int, length: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    """The default placement hook: a 64-byte-aligned uninitialised numpy uint8 buffer.
-
-    Large buffers come from :data:`DEFAULT_POOL`, which reuses the memory of buffers that are no longer
-    referenced anywhere (saving the page faults of fresh memory); small ones are freshly allocated.
-    """
-    del tag
-    return DEFAULT_POOL.allocate(length)
-
-
 def _check_u64(value: int, what: str) -> None:
     if not 0 <= value <= _U64_MAX:
         raise ValueError(f"{what} must be an unsigned 64-bit integer, got {value!r}")
-
-
-def _byte_view(obj: BytesLike) -> memoryview:
-    """A flat ``B``-format view of a bytes-like object (no copy); C-contiguous objects only."""
-    view = obj.data if isinstance(obj, np.ndarray) else memoryview(obj)
-    if not view.c_contiguous:
-        raise ValueError("buffers must be C-contiguous")
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")
-    return view
 
 
 def _as_views(data: SendData) -> tuple[list[memoryview], int]:
@@ -259,7 +130,7 @@ def _as_views(data: SendData) -> tuple[list[memoryview], int]:
     for item in items:
         if device_nbytes(item) is not None:
             raise TransportError("this transport sends host memory only: copy device buffers to the host")
-        view = _byte_view(item)
+        view = byte_view(item)
         views.append(view)
         total += view.nbytes
     return views, total
@@ -721,7 +592,7 @@ class Connection(abc.ABC):
                         f"{tag:#018x}; it returned a device buffer of {size} bytes"
                     )
                 return buffer, buffer  # type: ignore[return-value]
-            view = _byte_view(buffer)
+            view = byte_view(buffer)
         except DissocError:
             raise
         except Exception as exc:

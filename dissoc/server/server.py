@@ -15,13 +15,14 @@ from typing import Any, Self
 from dissoc.data_server import DataServer
 from dissoc.datasets import Catalog, Dataset
 from dissoc.errors import DissocError
-from dissoc.memory.device_arena import DeviceArena
+from dissoc.memory.cuda_arena import DeviceArena
+from dissoc.memory.pairs import ServedArena
+from dissoc.memory.placements import Placements
 from dissoc.memory.shm import ShmArena
-from dissoc.metadata_server import CombinedServer, MetadataServer
-from dissoc.pair_memory import ServedArena
-from dissoc.placements import Placements
+from dissoc.metadata_server import MetadataServer
 from dissoc.protocol.ledger import Ledger
-from dissoc.serving import RoleServer, ServeOptions
+from dissoc.role_server import RoleServer, ServeOptions
+from dissoc.server.combined import CombinedServer
 from dissoc.uri import DissocURI
 
 __all__ = ["DEFAULT_FREE_DATA", "DEFAULT_WANT_DATA", "Server"]
@@ -91,10 +92,8 @@ class Server:
             want_data=want_data,
             free_data=free_data,
             compression=compression,
-            arena=self.arena,
             ledger=self.ledger,
             served=self.served,
-            resident=resident,
             placements=self.placements,
         )
         self.split = split

@@ -9,8 +9,8 @@ its size.
 A resident placement is keyed by (the dataset's :class:`Scope`, the message's sequence number in its
 stream) and remembers its pairs, its arena offsets, which clients hold it now, and when it was last used.
 
-* :meth:`Placements.acquire` returns the cached pairs (the client now holds them) or places the batch with
-  the caller's ``place`` and caches it. A client that already holds a placement (it asked for the same
+* :meth:`Placements.acquire` returns the cached pairs (the client now holds them) or places the batch
+  (:meth:`Placements.place`) and caches it. A client that already holds a placement (it asked for the same
   stream again without freeing the first listing) gets a private copy: free_data lists each range once per
   client, so a range can be listed to one client only once at a time.
 * :meth:`Placements.release` is what free_data and disconnects call instead of the arena's ``release_many``:
@@ -23,23 +23,25 @@ stream) and remembers its pairs, its arena offsets, which clients hold it now, a
 * :meth:`Placements.forget` drops a dataset's placements when it is removed or replaced (released now if
   unreferenced, otherwise when the last holder lets go); :meth:`Placements.close` forgets everything.
 
-Sans-IO apart from the arena: no sockets, no event loop. Every method may be called from any thread (state
-is behind a lock; the arena's release is thread-safe too).
+No sockets: the bookkeeping methods may be called from any thread (state is behind a lock; the arena's
+release is thread-safe too); :meth:`Placements.acquire` and :meth:`Placements.place` wait for room on the
+event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dissoc.errors import ResourceError
-from dissoc.memory.shm import ALIGNMENT
+from dissoc.buffers import ALIGNMENT
+from dissoc.errors import DissocError, ResourceError, TransportError
 
 __all__ = ["Placements", "Scope"]
 
@@ -207,18 +209,61 @@ class Placements:
     # -- listing --------------------------------------------------------------------------------------------
 
     async def acquire(
-        self, client: Hashable, scope: Scope | None, index: int, place: Callable[[], Awaitable[Pairs]]
+        self,
+        client: Hashable,
+        scope: Scope | None,
+        index: int,
+        buffers: Callable[[], Sequence[Any]],
+        *,
+        gone: Callable[[], bool],
+        what: str = "client",
     ) -> Pairs:
         """The pairs to list to ``client`` for message ``index`` of ``scope``'s stream: the resident ones
-        (``client`` now holds them), or what ``place()`` places (cached as resident when it can be).
+        (``client`` now holds them), or ``buffers()`` placed by :meth:`place` (cached as resident when it can
+        be). ``buffers`` is called only when a placement is needed; ``gone()`` says whether the client left.
 
         With ``scope=None`` nothing is cached: the placement is ``client``'s alone.
         """
         pairs = self.lookup(client, scope, index)
         if pairs is not None:
             return pairs
-        placed = await place()
+        placed = await self.place(buffers(), gone=gone, what=what)
         return self.insert(client, scope, index, placed)
+
+    async def place(self, buffers: Sequence[Any], *, gone: Callable[[], bool], what: str = "client") -> Pairs:
+        """Place a batch in the arena: at once if it fits, evicting resident placements nobody holds (oldest
+        first) if that makes it fit, else waiting for frees, but not past the client's departure (``gone()``
+        turns true: a client that holds its batches and leaves, or a server closing, must not leave this task
+        waiting; :class:`~dissoc.errors.TransportError` then)."""
+        now = self.place_now(buffers)
+        if now is not None:
+            return now
+        arena = self.arena
+        with self.waiting():  # meanwhile a resident placement is released when its last holder frees it
+            placing = asyncio.ensure_future(arena.place_wait(buffers))
+            returned = False
+            try:
+                while True:
+                    done, _ = await asyncio.wait({placing}, timeout=0.25)
+                    if done:
+                        pairs: Pairs = placing.result()
+                        returned = True
+                        return pairs
+                    if gone():
+                        raise TransportError(f"{what}: closed while waiting for room in the arena")
+            finally:
+                if not placing.done():
+                    placing.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, DissocError):
+                        await placing
+                if (
+                    not returned
+                    and placing.done()
+                    and not placing.cancelled()
+                    and placing.exception() is None
+                ):
+                    # placed, but nobody will list it
+                    arena.release_many(offset for offset, _ in placing.result())
 
     def lookup(self, client: Hashable, scope: Scope | None, index: int) -> Pairs | None:
         """The resident pairs of (``scope``, ``index``), now held by ``client`` too; ``None`` on a miss (or

@@ -8,7 +8,7 @@ data URI publishes about it (``memory``, ``remote_handle`` and, for UCX, where t
   packed remote key; pairs carry offsets from the registered base. The URI also carries ``rma_worker`` (the
   base64 UCX address of the worker the region was registered with, which the client connects an RMA endpoint
   to), ``rma_base`` and ``rma_length`` (the region, so that the client can bound every read).
-* ``memory=cuda``: one dedicated device allocation (:class:`~dissoc.memory.device_arena.DeviceArena`);
+* ``memory=cuda``: one dedicated device allocation (:class:`~dissoc.memory.cuda_arena.DeviceArena`);
   ``remote_handle`` is its 64-byte CUDA IPC memory handle; pairs carry offsets from its base. The URI also
   carries ``cuda_length``, the allocation's size, so that the client can bound every read.
 
@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from dissoc.buffers import DEFAULT_POOL
 from dissoc.errors import DissocError, ProtocolError, ResourceError
-from dissoc.memory.device import IPC_HANDLE_BYTES, DeviceAllocation, DeviceBackend, get_backend
+from dissoc.memory.cuda import IPC_HANDLE_BYTES, DeviceAllocation, DeviceBackend, get_backend
 from dissoc.memory.shm import ShmArena, ShmView, cleanup_stale
 from dissoc.protocol import PairList
-from dissoc.transport.base import DEFAULT_POOL
 from dissoc.uri import DissocURI
 
 __all__ = ["MEMORY_KINDS", "PairReader", "ServedArena", "cuda_region", "open_pair_reader"]
@@ -50,7 +50,7 @@ class ServedArena:
     """The arena a data server places pair-list bodies in, and what its URI says about it.
 
     ``memory`` is ``shm``, ``ucx`` or ``cuda``; ``arena`` is a :class:`~dissoc.memory.shm.ShmArena` for the
-    first two and a :class:`~dissoc.memory.device_arena.DeviceArena` for ``cuda`` (same allocator API);
+    first two and a :class:`~dissoc.memory.cuda_arena.DeviceArena` for ``cuda`` (same allocator API);
     ``params`` are the extra data-URI parameters (``rma_*`` for ucx, ``cuda_length`` for cuda). Asking for
     ``cuda`` where there is no device raises :class:`~dissoc.errors.ResourceError` naming the ``gpu`` extra.
     """
@@ -64,7 +64,7 @@ class ServedArena:
         self.params: dict[str, str] = {}
         self.arena: Any
         if memory == "cuda":
-            from dissoc.memory.device_arena import DeviceArena
+            from dissoc.memory.cuda_arena import DeviceArena
 
             try:
                 self.arena = DeviceArena.create(capacity)
@@ -135,7 +135,7 @@ class PairReader:
         """One uint8 device array per pair (None for an empty one), and the offsets that may be freed now.
 
         This default reads the host buffers with :meth:`read` and uploads them to the device of
-        :func:`~dissoc.memory.device.get_backend` (for pairs in host memory: ``shm``, ``ucx``); a zero-copy
+        :func:`~dissoc.memory.cuda.get_backend` (for pairs in host memory: ``shm``, ``ucx``); a zero-copy
         reader's ranges are then handed to ``on_release`` as soon as the host buffers are dropped, after the
         upload. Raises :class:`~dissoc.errors.ResourceError` (naming the ``gpu`` extra) without a device.
         """
@@ -322,7 +322,7 @@ _U63_MAX = (1 << 63) - 1
 
 def cuda_region(uri: DissocURI) -> tuple[bytes, int]:
     """The (IPC handle, length) a ``memory=cuda`` data URI announces, checked; :class:`ProtocolError` if the
-    ``remote_handle`` is not :data:`~dissoc.memory.device.IPC_HANDLE_BYTES` bytes or ``cuda_length`` is not
+    ``remote_handle`` is not :data:`~dissoc.memory.cuda.IPC_HANDLE_BYTES` bytes or ``cuda_length`` is not
     a positive decimal integer."""
     handle = uri.remote_handle
     if handle is None or len(handle) != IPC_HANDLE_BYTES:

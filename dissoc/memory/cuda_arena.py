@@ -1,7 +1,7 @@
 """Device memory arena: the server side of pairs with ``memory=cuda``.
 
 :class:`DeviceArena` is one dedicated device allocation of ``capacity`` bytes (from the process's
-:func:`~dissoc.memory.device.get_backend`), with the allocator, all-or-nothing batch placement and
+:func:`~dissoc.memory.cuda.get_backend`), with the allocator, all-or-nothing batch placement and
 backpressure of :class:`~dissoc.memory.arena.FreeListArena`, as :class:`~dissoc.memory.shm.ShmArena` has
 them. Pair lists carry offsets from the allocation's base; the data URI's ``remote_handle`` is
 :attr:`DeviceArena.handle`, the 64-byte IPC handle of that allocation, and ``cuda_length`` its size, so a
@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from dissoc.buffers import ALIGNMENT, align_up, byte_view
 from dissoc.errors import ResourceError
-from dissoc.memory.arena import ALIGNMENT, FreeListArena, align_up, host_bytes
-from dissoc.memory.device import DeviceAllocation, DeviceBackend, get_backend
+from dissoc.memory.arena import FreeListArena
+from dissoc.memory.cuda import DeviceAllocation, DeviceBackend, get_backend
 
 __all__ = ["DeviceArena"]
 
@@ -62,7 +63,7 @@ class DeviceArena(FreeListArena):
     @classmethod
     def create(cls, capacity: int, *, backend: DeviceBackend | None = None) -> DeviceArena:
         """Allocate ``capacity`` bytes (rounded up to 64) of device memory from ``backend`` (default:
-        :func:`~dissoc.memory.device.get_backend`).
+        :func:`~dissoc.memory.cuda.get_backend`).
 
         Raises :class:`ValueError` for a bad capacity and :class:`~dissoc.errors.ResourceError` when there is
         no device (the message names the ``gpu`` extra) or not enough device memory.
@@ -135,7 +136,7 @@ class DeviceArena(FreeListArena):
             if self._backend.is_device_array(buf):
                 sources.append(self._device_bytes(buf))
             else:
-                sources.append(host_bytes(buf))
+                sources.append(byte_view(buf))
         return sources, [int(s.nbytes) for s in sources]
 
     def _fill(self, sources: list[Any], sizes: list[int], offsets: list[int]) -> None:

@@ -1,5 +1,7 @@
 """An Arrow Flight control plane in front of a running :class:`dissoc.server.Server`.
 
+The server half: :class:`FlightControlPlane` and :func:`serve_with_flight`.
+
 Flight clients discover datasets here and get, per endpoint, the ticket and two locations: the dissoc
 metadata URI, then the data URI (``tcp://H:P?want_data=N...``, exactly :attr:`Server.uri` and
 :attr:`Server.data_uri`); the batches then move over Dissociated IPC. For clients that speak only Flight,
@@ -11,7 +13,7 @@ remove datasets and list tickets::
         await server.serve_forever()
 
     endpoints = dissoc.flight.resolve("grpc://127.0.0.1:PORT", "trips")   # [(uri, data_uri, ticket)]
-    table = dissoc.flight.fetch_via_flight("grpc://127.0.0.1:PORT", "trips")
+    table = dissoc.fetch("grpc://127.0.0.1:PORT", "trips")
 
 Threads: pyarrow runs the Flight server's handlers in its own (gRPC) threads, while the dissoc server runs on
 an asyncio loop. The two share only the server's :class:`~dissoc.datasets.Catalog`, which is thread-safe (an
@@ -32,7 +34,6 @@ import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Self
 
@@ -46,97 +47,30 @@ from dissoc.datasets import (
     TableDataset,
     UnknownTicket,
 )
-from dissoc.errors import DissocError, ProtocolError, RemoteError, TransportError
-from dissoc.uri import DissocURI, UriError
+from dissoc.errors import DissocError, TransportError
+from dissoc.flight.common import (
+    ACTION_LIST_TICKETS,
+    ACTION_REMOVE,
+    flight_module,
+    ticket_name,
+)
 
 if TYPE_CHECKING:
-    from dissoc.client import ClientOptions
     from dissoc.server import Server
 
-__all__ = [
-    "ACTION_LIST_TICKETS",
-    "ACTION_REMOVE",
-    "DEFAULT_TIMEOUT",
-    "FLIGHT_SCHEMES",
-    "DatasetInfo",
-    "Endpoint",
-    "FlightControlPlane",
-    "describe",
-    "fetch_via_flight",
-    "fetch_via_flight_async",
-    "flight_server_class",
-    "is_flight_location",
-    "list_datasets",
-    "publish",
-    "remove",
-    "resolve",
-    "serve_with_flight",
-]
+__all__ = ["FlightControlPlane", "flight_server_class", "serve_with_flight"]
 
 log = logging.getLogger(__name__)
-
-#: Location schemes that name a Flight service (``grpc`` is what dissoc prints).
-FLIGHT_SCHEMES: Final = frozenset({"grpc", "grpc+tcp", "grpc+tls", "grpc+unix"})
-#: Seconds a control-plane call (resolve, list, remove) may take before it fails.
-DEFAULT_TIMEOUT: Final = 10.0
-#: DoAction type that stops serving a dataset; the body is its ticket.
-ACTION_REMOVE: Final = "remove"
-#: DoAction type whose one result is the JSON list of the tickets served.
-ACTION_LIST_TICKETS: Final = "list-tickets"
 
 _ACTIONS: Final = (
     (ACTION_REMOVE, 'Stop serving a dataset to new requests; body: its ticket. Result: JSON {"removed"}.'),
     (ACTION_LIST_TICKETS, "The tickets served. Result: one JSON list of strings."),
 )
 
-#: An endpoint as :func:`resolve` returns it: (metadata URI, data URI, ticket).
-Endpoint = tuple[str, str, bytes]
-
-
-def _flight() -> Any:
-    """``pyarrow.flight``, or a DissocError naming what to install."""
-    try:
-        import pyarrow.flight as flight
-    except ImportError as e:
-        raise DissocError(
-            f"the Flight control plane needs pyarrow built with Arrow Flight (pyarrow.flight): {e}; "
-            "install a pyarrow wheel from PyPI (it includes Flight) or conda's 'pyarrow' with libarrow-flight"
-        ) from None
-    return flight
-
-
-def is_flight_location(uri: object) -> bool:
-    """Whether ``uri`` is a string naming a Flight service (``grpc://``, ``grpc+tcp://``, ...)."""
-    if not isinstance(uri, str) or "://" not in uri:
-        return False
-    return uri.split("://", 1)[0].lower() in FLIGHT_SCHEMES
-
-
-def _check_location(location: object) -> str:
-    if not is_flight_location(location):
-        raise UriError(
-            f"Flight location: expected grpc://HOST:PORT (schemes {', '.join(sorted(FLIGHT_SCHEMES))}), "
-            f"got {location!r}"
-        )
-    assert isinstance(location, str)
-    return location
-
-
-def _name(ticket: str | bytes) -> str:
-    if isinstance(ticket, str):
-        return ticket
-    try:
-        return bytes(ticket).decode("utf-8")
-    except UnicodeDecodeError:
-        raise DatasetError(f"ticket {bytes(ticket)[:64]!r} is not valid UTF-8") from None
-
-
-# ------------------------------------------------------------------------------------------------- server
-
 
 def _error(code: str, message: str) -> Exception:
     """A Flight error whose ``extra_info`` carries ``{"code", "message"}`` (what :func:`resolve` reports)."""
-    flight = _flight()
+    flight = flight_module()
     extra = json.dumps({"code": code, "message": message}).encode()
     if code == "read_only":
         return flight.FlightUnauthorizedError(message, extra)  # type: ignore[no-any-return]
@@ -169,16 +103,16 @@ class _Handlers:
     # -- discovery
 
     def _descriptor_name(self, descriptor: Any) -> str:
-        flight = _flight()
+        flight = flight_module()
         if descriptor.descriptor_type == flight.DescriptorType.PATH:
-            parts = [_name(p) for p in descriptor.path]
+            parts = [ticket_name(p) for p in descriptor.path]
             if not parts:
                 raise DatasetError("the descriptor's path is empty; expected [dataset name]")
             return "/".join(parts)
-        return _name(descriptor.command)
+        return ticket_name(descriptor.command)
 
     def _info(self, name: str, descriptor: Any) -> Any:
-        flight = _flight()
+        flight = flight_module()
         described = self.server.catalog.describe(name)
         locations = [flight.Location(self.server.uri), flight.Location(self.server.data_uri)]
         endpoint = flight.FlightEndpoint(name.encode("utf-8"), locations)
@@ -192,9 +126,9 @@ class _Handlers:
         )
 
     def list_flights(self, criteria: bytes) -> Iterator[Any]:
-        flight = _flight()
+        flight = flight_module()
         with _as_flight_errors("ListFlights"):
-            prefix = _name(criteria) if criteria else ""
+            prefix = ticket_name(criteria) if criteria else ""
         for name in self.server.catalog.names():
             if not name.startswith(prefix):
                 continue
@@ -208,7 +142,7 @@ class _Handlers:
             return self._info(self._descriptor_name(descriptor), descriptor)
 
     def get_schema(self, descriptor: Any) -> Any:
-        flight = _flight()
+        flight = flight_module()
         with _as_flight_errors("GetSchema"):
             return flight.SchemaResult(self.server.catalog.get(self._descriptor_name(descriptor)).schema)
 
@@ -222,7 +156,7 @@ class _Handlers:
 
     def _put_target(self, descriptor: Any) -> tuple[str, bool]:
         """(name, replace) from a path descriptor ``[name]`` or a command ``{"name", "replace"}``."""
-        flight = _flight()
+        flight = flight_module()
         if descriptor.descriptor_type == flight.DescriptorType.PATH:
             return self._descriptor_name(descriptor), False
         try:
@@ -275,9 +209,9 @@ class _Handlers:
             if kind == ACTION_REMOVE:
                 if self.read_only:
                     raise _error("read_only", f"this control plane is read-only: cannot remove {body[:64]!r}")
-                removed = self.server.remove(_name(body)).name
+                removed = self.server.remove(ticket_name(body)).name
                 log.info("Flight action: removed %r", removed)
-                return [json.dumps({"removed": _name(body)}).encode()]
+                return [json.dumps({"removed": ticket_name(body)}).encode()]
             if kind == ACTION_LIST_TICKETS:
                 return [json.dumps(self.server.catalog.names()).encode()]
             known = ", ".join(repr(k) for k, _ in _ACTIONS)
@@ -286,7 +220,7 @@ class _Handlers:
 
 def _flight_stream(dataset: Dataset, closing: threading.Event) -> Any:
     """The Flight data stream of ``dataset``: pyarrow's C++ loops where the data allows, else a generator."""
-    flight = _flight()
+    flight = flight_module()
     if dataset.closed:
         raise DatasetError(f"dataset {dataset.name!r} is closed")
     inner = dataset
@@ -336,7 +270,7 @@ def flight_server_class() -> type[Any]:
 
     ``cls(location, handlers)``; most code wants :class:`FlightControlPlane` instead.
     """
-    flight = _flight()
+    flight = flight_module()
     base: Any = flight.FlightServerBase
 
     class DissocFlightServer(base):  # type: ignore[misc]
@@ -502,256 +436,3 @@ async def serve_with_flight(
         ) as plane,
     ):
         yield plane
-
-
-# ------------------------------------------------------------------------------------------------- client
-
-
-@dataclass(frozen=True, slots=True)
-class DatasetInfo:
-    """A dataset as a control plane describes it; ``num_rows``/``nbytes`` are None when not known."""
-
-    name: str
-    schema: pa.Schema
-    num_rows: int | None
-    nbytes: int | None
-    endpoints: list[Endpoint] = field(default_factory=list)
-
-
-_TRANSPORT_FAILURES: Final = ("FlightUnavailableError", "FlightTimedOutError", "FlightCancelledError")
-_CODES: Final = {
-    "FlightServerError": "server_error",
-    "FlightInternalError": "internal",
-    "FlightUnauthenticatedError": "unauthenticated",
-    "FlightUnauthorizedError": "unauthorized",
-    "FlightWriteSizeExceededError": "too_large",
-    "ArrowKeyError": "not_found",
-    "ArrowInvalid": "invalid_argument",
-    "ArrowNotImplementedError": "unimplemented",
-}
-
-
-def _translate(e: Exception, what: str, location: str) -> DissocError:
-    """A pyarrow/Flight exception as the dissoc error it means."""
-    text = str(e).split(". Detail: ", 1)[0].strip() or type(e).__name__
-    kind = type(e).__name__
-    if kind in _TRANSPORT_FAILURES or isinstance(e, OSError):
-        return TransportError(f"{what} at {location}: {text}")
-    code = _CODES.get(kind, "flight_error")
-    extra = getattr(e, "extra_info", None)
-    if extra:
-        with contextlib.suppress(ValueError, TypeError, UnicodeDecodeError):
-            info = json.loads(bytes(extra))
-            if isinstance(info, dict) and isinstance(info.get("code"), str):
-                code = info["code"]
-                text = str(info.get("message") or text)
-    return RemoteError(code, f"{what} at {location}: {text}")
-
-
-@contextlib.contextmanager
-def _client(location: str, what: str) -> Iterator[Any]:
-    """A FlightClient to ``location``; every pyarrow error inside the block becomes a dissoc error."""
-    flight = _flight()
-    _check_location(location)
-    try:
-        client = flight.FlightClient(location)
-    except (pa.ArrowException, OSError, ValueError) as e:
-        raise UriError(f"Flight location {location!r}: {e}") from None
-    try:
-        yield client
-    except (pa.ArrowException, OSError) as e:
-        raise _translate(e, what, location) from None
-    finally:
-        with contextlib.suppress(Exception):
-            client.close()
-
-
-def _call_options(timeout: float | None) -> Any:
-    return _flight().FlightCallOptions(timeout=timeout)
-
-
-def _location_text(loc: Any, where: str) -> str:
-    raw = getattr(loc, "uri", loc)
-    try:
-        return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
-    except UnicodeDecodeError:
-        raise ProtocolError(f"{where}: a location is not valid UTF-8: {raw[:80]!r}") from None
-
-
-def _parse_info(info: Any, where: str) -> DatasetInfo:
-    """Check a FlightInfo from a control plane and turn it into a DatasetInfo (ProtocolError if malformed)."""
-    try:
-        schema = info.schema
-        descriptor = info.descriptor
-        raw_endpoints = list(info.endpoints)
-        rows, nbytes = int(info.total_records), int(info.total_bytes)
-    except (pa.ArrowException, OSError, ValueError, TypeError) as e:
-        raise ProtocolError(f"{where}: unreadable FlightInfo: {e}") from None
-    endpoints: list[Endpoint] = []
-    for i, ep in enumerate(raw_endpoints):
-        locations = [_location_text(loc, where) for loc in ep.locations]
-        if len(locations) < 2:
-            raise ProtocolError(
-                f"{where}: endpoint {i} has {len(locations)} location(s) {locations}; expected two dissoc "
-                "URIs, the metadata URI then the data URI"
-            )
-        uri, data_uri = locations[0], locations[1]
-        for role, text in (("metadata", uri), ("data", data_uri)):
-            try:
-                DissocURI.parse(text)
-            except UriError as e:
-                raise ProtocolError(
-                    f"{where}: endpoint {i}'s {role} location {text!r} is not a dissoc URI "
-                    f"(SCHEME://HOST:PORT?want_data=N): {e}"
-                ) from None
-        endpoints.append((uri, data_uri, bytes(ep.ticket.ticket)))
-    name = ""
-    with contextlib.suppress(Exception):
-        if descriptor.descriptor_type == _flight().DescriptorType.PATH:
-            name = "/".join(_name(p) for p in descriptor.path)
-        else:
-            name = _name(descriptor.command)
-    return DatasetInfo(
-        name=name,
-        schema=schema,
-        num_rows=None if rows < 0 else rows,
-        nbytes=None if nbytes < 0 else nbytes,
-        endpoints=endpoints,
-    )
-
-
-def describe(location: str, ticket: str | bytes, *, timeout: float | None = DEFAULT_TIMEOUT) -> DatasetInfo:
-    """GetFlightInfo for the dataset ``ticket`` (descriptor ``for_path(name)``), checked."""
-    flight = _flight()
-    what = f"GetFlightInfo({ticket!r})"
-    with _client(location, what) as client:
-        info = client.get_flight_info(flight.FlightDescriptor.for_path(ticket), _call_options(timeout))
-    return _parse_info(info, f"{what} at {location}")
-
-
-def resolve(location: str, ticket: str | bytes, *, timeout: float | None = DEFAULT_TIMEOUT) -> list[Endpoint]:
-    """The endpoints of dataset ``ticket`` at the Flight control plane ``location``:
-    ``[(metadata URI, data URI, ticket), ...]``, from GetFlightInfo.
-
-    Raises TransportError (unreachable, or no answer within ``timeout`` seconds), RemoteError (the control
-    plane refused, e.g. code ``unknown_ticket``), ProtocolError (an endpoint without two dissoc URIs), or
-    UriError (``location`` is not ``grpc://HOST:PORT``).
-    """
-    return describe(location, ticket, timeout=timeout).endpoints
-
-
-def list_datasets(location: str, *, timeout: float | None = DEFAULT_TIMEOUT) -> list[DatasetInfo]:
-    """Every dataset the control plane at ``location`` lists (ListFlights), with its endpoints."""
-    what = "ListFlights"
-    with _client(location, what) as client:
-        infos = list(client.list_flights(b"", _call_options(timeout)))
-    return [_parse_info(info, f"{what} at {location}") for info in infos]
-
-
-def publish(
-    location: str,
-    name: str,
-    data: pa.Table | pa.RecordBatch | pa.RecordBatchReader,
-    *,
-    replace: bool = False,
-    timeout: float | None = None,
-) -> int:
-    """Upload ``data`` with DoPut; the control plane's dissoc server then serves it as ``name``.
-
-    A name already served is refused (RemoteError ``already_exists``) unless ``replace``. ``timeout`` bounds
-    the whole upload (None: no bound). Returns the number of rows the server stored (-1 when the service
-    acknowledged in some other way than a dissoc control plane does).
-    """
-    flight = _flight()
-    if isinstance(data, pa.RecordBatch):
-        data = pa.Table.from_batches([data])
-    if not isinstance(data, (pa.Table, pa.RecordBatchReader)):
-        raise DatasetError(
-            f"publish: expected a pyarrow.Table, RecordBatch or RecordBatchReader, got {type(data).__name__}"
-        )
-    if replace:
-        descriptor = flight.FlightDescriptor.for_command(json.dumps({"name": name, "replace": True}))
-    else:
-        descriptor = flight.FlightDescriptor.for_path(name)
-    what = f"DoPut({name!r})"
-    with _client(location, what) as client:
-        writer, ack_reader = client.do_put(descriptor, data.schema, _call_options(timeout))
-        with writer:  # close() reports the server's verdict
-            if isinstance(data, pa.Table):
-                writer.write_table(data)
-            else:
-                for batch in data:
-                    writer.write_batch(batch)
-            writer.done_writing()
-            ack = ack_reader.read()
-    try:
-        return int(json.loads(ack.to_pybytes())["rows"]) if ack is not None else -1
-    except (ValueError, KeyError, TypeError):
-        return -1
-
-
-def remove(location: str, name: str | bytes, *, timeout: float | None = DEFAULT_TIMEOUT) -> None:
-    """Stop serving dataset ``name`` (the ``remove`` action); RemoteError ``unknown_ticket`` if not served."""
-    flight = _flight()
-    body = name.encode("utf-8") if isinstance(name, str) else bytes(name)
-    what = f"action remove({name!r})"
-    with _client(location, what) as client:
-        list(client.do_action(flight.Action(ACTION_REMOVE, body), _call_options(timeout)))
-
-
-async def _gather(coros: list[Any]) -> list[Any]:
-    """Run ``coros`` concurrently; the first failure cancels the rest and is raised as it is."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for t in tasks:
-            if t.done() and not t.cancelled():
-                error = t.exception()
-                if error is not None:
-                    raise error
-        return [t.result() for t in tasks]
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def fetch_via_flight_async(
-    location: str,
-    ticket: str | bytes,
-    *,
-    options: ClientOptions | None = None,
-    timeout: float | None = DEFAULT_TIMEOUT,
-) -> pa.Table:
-    """Resolve ``ticket`` at the control plane ``location``, fetch every endpoint over dissoc (concurrently)
-    and return them concatenated in endpoint order, as one ``pa.Table``."""
-    from dissoc.client import fetch_async
-
-    info = await asyncio.to_thread(describe, location, ticket, timeout=timeout)
-    if not info.endpoints:
-        return info.schema.empty_table()
-    tables: list[pa.Table] = await _gather(
-        [fetch_async(uri, t, data_uri=data_uri, options=options) for uri, data_uri, t in info.endpoints]
-    )
-    if len(tables) == 1:
-        return tables[0]
-    try:
-        return pa.concat_tables(tables)
-    except pa.ArrowInvalid as e:
-        raise ProtocolError(
-            f"the endpoints of {ticket!r} at {location} sent different schemas: {e}"
-        ) from None
-
-
-def fetch_via_flight(
-    location: str,
-    ticket: str | bytes,
-    *,
-    options: ClientOptions | None = None,
-    timeout: float | None = DEFAULT_TIMEOUT,
-) -> pa.Table:
-    """:func:`fetch_via_flight_async` for synchronous callers (works inside a running loop too)."""
-    from dissoc.client import _run
-
-    table: pa.Table = _run(lambda: fetch_via_flight_async(location, ticket, options=options, timeout=timeout))
-    return table

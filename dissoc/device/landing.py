@@ -32,14 +32,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from dissoc.buffers import device_nbytes
 from dissoc.codec import MessageDecoder, parse
 from dissoc.codec.message import HeaderType, encode_dictionary_batch, encode_record_batch
 from dissoc.device import DeviceBatch, DeviceDecoder
 from dissoc.errors import CodecError, ProtocolError
-from dissoc.memory.device import DeviceBackend, get_backend
-from dissoc.pair_memory import PairReader
+from dissoc.memory.cuda import DeviceBackend, get_backend
+from dissoc.memory.pairs import PairReader
 from dissoc.protocol import PairList
-from dissoc.transport.base import device_nbytes
 
 __all__ = ["DeviceLanding"]
 

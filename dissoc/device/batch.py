@@ -2,7 +2,7 @@
 
 A :class:`DeviceBatch` holds the stream's Schema message, the DictionaryBatch messages its dictionary fields
 need and its RecordBatch message, each message's body one device allocation (a uint8 device array of the
-active :mod:`dissoc.memory.device` backend: CuPy on a GPU). Nothing is re-laid out: uploading a
+active :mod:`dissoc.memory.cuda` backend: CuPy on a GPU). Nothing is re-laid out: uploading a
 ``pa.RecordBatch`` is :class:`~dissoc.codec.MessageEncoder` plus one upload per message body, and
 :meth:`DeviceBatch.to_arrow` is one download per body plus :class:`~dissoc.codec.MessageDecoder`. The
 per-column view (:class:`DeviceColumn`) is found from the metadata alone (:mod:`dissoc.codec.layout`): every
@@ -35,7 +35,7 @@ from dissoc.codec.layout import FieldLayout, MessageLayout, message_layout
 from dissoc.codec.message import HeaderType
 from dissoc.codec.schema import FieldPlan, Layout, SchemaInfo, decode_schema
 from dissoc.errors import CodecError, DissocError
-from dissoc.memory.device import DeviceBackend, get_backend
+from dissoc.memory.cuda import DeviceBackend, get_backend
 
 __all__ = [
     "DeviceBatch",

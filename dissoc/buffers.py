@@ -1,0 +1,194 @@
+"""Buffers, the ground floor every layer shares: what counts as bytes, how long a buffer is (host or device
+memory), the one alignment rule and aligned allocation, and the pool that recycles large receive buffers.
+
+Nothing here does I/O or knows a protocol; the codec, the protocol core, the transports, the arenas and the
+client all size, view and allocate buffers through these functions.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = [
+    "ALIGNMENT",
+    "DEFAULT_POOL",
+    "BufferPool",
+    "BytesLike",
+    "NotContiguousError",
+    "U8Array",
+    "aligned_empty",
+    "align_up",
+    "buffer_nbytes",
+    "byte_view",
+    "default_allocator",
+    "device_nbytes",
+]
+
+#: Alignment, in bytes, of every buffer dissoc allocates: received payloads, arena ranges, stream bodies
+#: written to memory (the columnar format recommends 64 for SIMD; IPC bodies themselves are padded to 8,
+#: :data:`dissoc.codec.encoder.BODY_PADDING`).
+ALIGNMENT: Final = 64
+
+#: A bytes-like object (numpy arrays are spelled out: their stubs declare the buffer protocol only for 3.12+).
+BytesLike: TypeAlias = "Buffer | np.ndarray[Any, Any]"
+#: A one-dimensional uint8 numpy array.
+U8Array: TypeAlias = "np.ndarray[Any, np.dtype[np.uint8]]"
+
+
+class NotContiguousError(TypeError, ValueError):
+    """A buffer that is not C-contiguous was given where contiguous bytes are needed (a programming error,
+    not bad data: both a wrong kind of argument and a bad value, so either ``except`` catches it)."""
+
+
+def byte_view(obj: BytesLike) -> memoryview:
+    """A flat, unsigned-byte memoryview of a C-contiguous host buffer (no copy).
+
+    Raises :class:`NotContiguousError` for a non-contiguous one and TypeError for an object that is not a
+    buffer (a device array, say).
+    """
+    if isinstance(obj, memoryview):
+        view = obj
+    elif isinstance(obj, np.ndarray):
+        view = obj.data
+    else:
+        view = memoryview(obj)
+    if view.ndim != 1 or view.format != "B":
+        if not view.c_contiguous:
+            raise NotContiguousError("expected a contiguous buffer")
+        view = view.cast("B")
+    elif not view.c_contiguous:
+        raise NotContiguousError("expected a contiguous buffer")
+    return view
+
+
+def device_nbytes(obj: object) -> int | None:
+    """The size of a CUDA device buffer (an object with ``__cuda_array_interface__``), or None for others.
+
+    Only C-contiguous device buffers can be sent or received into (ValueError otherwise).
+    """
+    if getattr(type(obj), "__cuda_array_interface__", None) is None:
+        return None
+    iface = obj.__cuda_array_interface__  # type: ignore[attr-defined]
+    shape = tuple(int(d) for d in iface["shape"])
+    itemsize = int(str(iface["typestr"])[2:])
+    count = 1
+    for dim in shape:
+        count *= dim
+    strides = iface.get("strides")
+    if strides is not None:
+        expected = itemsize
+        for dim, stride in zip(reversed(shape), reversed(tuple(strides)), strict=True):
+            if dim > 1 and int(stride) != expected:
+                raise ValueError("device buffers must be C-contiguous")
+            expected *= dim
+    return count * itemsize
+
+
+def buffer_nbytes(obj: object) -> int:
+    """The length in bytes of a buffer in host memory (bytes-like) or device memory."""
+    size = device_nbytes(obj)
+    return size if size is not None else byte_view(obj).nbytes  # type: ignore[arg-type]
+
+
+def align_up(value: int, alignment: int = ALIGNMENT) -> int:
+    """``value`` rounded up to a multiple of ``alignment`` (a power of two)."""
+    return (value + alignment - 1) & ~(alignment - 1)
+
+
+def aligned_empty(length: int, alignment: int = ALIGNMENT) -> U8Array:
+    """An uninitialised 1-D uint8 numpy array of ``length`` bytes whose data starts on ``alignment`` bytes."""
+    raw = np.empty(length + alignment, dtype=np.uint8)
+    offset = -int(raw.ctypes.data) % alignment
+    return raw[offset : offset + length]
+
+
+class BufferPool:
+    """Recycles large aligned receive buffers once nothing references them any more.
+
+    A fresh multi-megabyte buffer costs a page fault per page the first time it is written, which halves the
+    throughput of a socket read into it. The pool keeps the raw arrays behind the buffers it hands out and
+    reuses one when its reference count shows that no view of it is left (every numpy view, memoryview or
+    pyarrow buffer over a handed-out array keeps the raw array alive, so a live buffer is never reused).
+    Buffers smaller than ``min_bytes`` are simply allocated. The pool holds at most ``max_bytes`` of raw
+    arrays; :meth:`clear` lets them go.
+    """
+
+    def __init__(
+        self, max_bytes: int = 256 << 20, min_bytes: int = 1 << 20, alignment: int = ALIGNMENT
+    ) -> None:
+        self._max_bytes = max_bytes
+        self._min_bytes = min_bytes
+        self._alignment = alignment
+        self._raws: list[U8Array] = []
+        self._held = 0
+        self._lock = threading.Lock()
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of raw arrays the pool keeps (in use or idle)."""
+        return self._held
+
+    def clear(self) -> None:
+        """Forget every pooled array (arrays still in use stay valid and are freed when released)."""
+        with self._lock:
+            self._raws.clear()
+            self._held = 0
+
+    def _idle(self, index: int) -> bool:
+        # An idle raw array is referenced by the pool's list and by getrefcount's argument, nothing else.
+        return sys.getrefcount(self._raws[index]) == 2
+
+    def allocate(self, length: int) -> U8Array:
+        """An uninitialised aligned uint8 array of ``length`` bytes; reuses an idle pooled one if it can."""
+        alignment = self._alignment
+        if length < self._min_bytes:
+            return aligned_empty(length, alignment)
+        need = length + alignment
+        with self._lock:
+            raws = self._raws
+            best = -1
+            for index in range(len(raws)):
+                size = raws[index].nbytes
+                fits = need <= size <= 2 * need and (best < 0 or size < raws[best].nbytes)
+                if fits and self._idle(index):
+                    best = index
+            if best >= 0:
+                raw = raws[best]
+            else:
+                # Round up so that slightly different sizes can share, and keep within the budget by
+                # forgetting idle arrays (largest first).
+                size = -(-need // (2 << 20)) * (2 << 20)
+                while self._held + size > self._max_bytes:
+                    idle = [i for i in range(len(raws)) if self._idle(i)]
+                    if not idle:
+                        break
+                    victim = max(idle, key=lambda i: raws[i].nbytes)
+                    self._held -= raws[victim].nbytes
+                    del raws[victim]
+                raw = np.empty(size, dtype=np.uint8)
+                if self._held + size <= self._max_bytes:
+                    raws.append(raw)
+                    self._held += size
+        offset = -int(raw.ctypes.data) % alignment
+        return raw[offset : offset + length]
+
+
+#: The pool behind :func:`default_allocator`.
+DEFAULT_POOL = BufferPool()
+
+
+def default_allocator(tag: int, length: int) -> U8Array:
+    """The default placement hook: a 64-byte-aligned uninitialised numpy uint8 buffer.
+
+    Large buffers come from :data:`DEFAULT_POOL`, which reuses the memory of buffers that are no longer
+    referenced anywhere (saving the page faults of fresh memory); small ones are freshly allocated.
+    """
+    del tag
+    return DEFAULT_POOL.allocate(length)

@@ -1,0 +1,266 @@
+"""Which dataset a ticket names: :func:`dataset_from` builds one from a table, a callable or a path, and
+:class:`Catalog` is the thread-safe registry of a server's datasets."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import pyarrow as pa
+
+from dissoc.datasets.base import (
+    _CONTINUATION,
+    FEATHER_V1_MAGIC,
+    IPC_FILE_MAGIC,
+    IPC_FILE_SUFFIXES,
+    IPC_STREAM_SUFFIXES,
+    PARQUET_MAGIC,
+    PARQUET_SUFFIXES,
+    Dataset,
+    DatasetError,
+    UnknownTicket,
+)
+from dissoc.datasets.files import IpcFileDataset, IpcStreamDataset, ParquetDataset
+from dissoc.datasets.in_memory import DeviceDataset, ReaderFactoryDataset, TableDataset
+from dissoc.errors import CodecError
+
+log = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------------------------------- dispatch
+
+
+class _Renamed(Dataset):
+    """Another dataset served under a different name (the inner one keeps its own)."""
+
+    def __init__(self, name: str, inner: Dataset) -> None:
+        super().__init__(name)
+        self.inner = inner
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self.inner.schema
+
+    @property
+    def num_rows(self) -> int | None:
+        return self.inner.num_rows
+
+    @property
+    def nbytes(self) -> int | None:
+        return self.inner.nbytes
+
+    def open(self) -> Iterator[pa.RecordBatch]:
+        self._check_open()
+        return self.inner.open()
+
+    def close(self) -> None:
+        self.inner.close()
+        super().close()
+
+    def __repr__(self) -> str:
+        return f"{self.name!r} -> {self.inner!r}"
+
+
+def _sniff(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(8)
+    except OSError as e:
+        raise DatasetError(f"cannot read {str(path)!r}: {e.strerror}") from None
+
+
+def _dataset_from_path(path: Path, name: str | None) -> Dataset:
+    if path.is_dir():
+        return ParquetDataset(path, name)
+    if not path.exists():
+        raise DatasetError(f"no such file or directory: {str(path)!r}")
+    if not path.is_file():
+        raise DatasetError(f"{str(path)!r} is not a regular file or a directory")
+    head = _sniff(path)
+    suffix = path.suffix.lower()
+    if head.startswith(IPC_FILE_MAGIC):
+        return IpcFileDataset(path, name)
+    if head.startswith(PARQUET_MAGIC):
+        return ParquetDataset(path, name)
+    if head.startswith(FEATHER_V1_MAGIC):
+        raise DatasetError(f"{str(path)!r} is a Feather version 1 file; only Arrow IPC (Feather 2) is served")
+    if suffix in IPC_STREAM_SUFFIXES or suffix in IPC_FILE_SUFFIXES or head.startswith(_CONTINUATION):
+        # No file magic: an IPC stream, whatever the extension says (the codec reports a malformed one).
+        return IpcStreamDataset(path, name)
+    if suffix in PARQUET_SUFFIXES:
+        raise CodecError(f"{str(path)!r}: expected Parquet magic {PARQUET_MAGIC!r}, found {head[:4]!r}")
+    raise DatasetError(
+        f"cannot tell what {str(path)!r} holds: expected an Arrow IPC file (magic {IPC_FILE_MAGIC!r}), an "
+        f"IPC stream ({', '.join(sorted(IPC_STREAM_SUFFIXES))}), a Parquet file "
+        f"({', '.join(sorted(PARQUET_SUFFIXES))}) or a directory of Parquet files"
+    )
+
+
+def _is_device_batches(obj: object) -> bool:
+    from dissoc.device import DeviceBatch
+
+    if isinstance(obj, DeviceBatch):
+        return True
+    return isinstance(obj, (list, tuple)) and bool(obj) and all(isinstance(b, DeviceBatch) for b in obj)
+
+
+def dataset_from(obj: object, name: str | None = None) -> Dataset:
+    """Build the :class:`Dataset` that serves ``obj``.
+
+    ``obj`` may be a Dataset (returned as is, or renamed when ``name`` differs), a ``pa.Table`` or
+    ``pa.RecordBatch`` (``name`` required), a :class:`~dissoc.device.DeviceBatch` or a list of them (``name``
+    required; served from device memory), a callable reader factory (``name`` defaults to its ``__name__``),
+    or a path: an Arrow IPC file (recognised by its ``ARROW1`` magic whatever the extension), an IPC
+    stream (``.arrows``, ``.stream``, or an ``.arrow``/``.feather``/``.ipc`` file without the file magic), a
+    Parquet file (``.parquet``, ``.parq``, or ``PAR1`` magic) or a directory of Parquet files; ``name``
+    defaults to the file's stem. Anything else raises :class:`DatasetError`.
+    """
+    if isinstance(obj, Dataset):
+        if name is None or name == obj.name:
+            return obj
+        return _Renamed(name, obj)
+    if isinstance(obj, (pa.Table, pa.RecordBatch)):
+        if name is None:
+            raise DatasetError(f"a name is required to serve a pyarrow.{type(obj).__name__}")
+        return TableDataset(name, obj)
+    if _is_device_batches(obj):
+        if name is None:
+            raise DatasetError("a name is required to serve device batches")
+        return DeviceDataset(name, obj)
+    if isinstance(obj, pa.RecordBatchReader):
+        raise DatasetError(
+            "a pyarrow.RecordBatchReader can be read only once; serve a callable that returns a fresh reader"
+        )
+    if isinstance(obj, (str, os.PathLike)):
+        return _dataset_from_path(Path(obj), name)
+    if callable(obj):
+        if name is None:
+            name = getattr(obj, "__name__", None)
+            if not isinstance(name, str) or name == "<lambda>":
+                raise DatasetError("a name is required to serve an anonymous reader factory")
+        return ReaderFactoryDataset(name, obj)
+    raise DatasetError(
+        f"cannot serve a {type(obj).__name__}: expected a Dataset, pyarrow.Table, pyarrow.RecordBatch, a "
+        "callable returning a pyarrow.RecordBatchReader, or a path to an Arrow IPC or Parquet file or "
+        "directory"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- catalog
+
+
+def _ticket_name(ticket: object) -> str:
+    if isinstance(ticket, str):
+        return ticket
+    if isinstance(ticket, (bytes, bytearray, memoryview)):
+        raw = bytes(ticket)
+        try:
+            return raw.decode("utf-8", errors="strict")
+        except UnicodeDecodeError as e:
+            raise UnknownTicket(
+                raw, f"ticket {raw[:64]!r} is not valid UTF-8 (byte {e.start}: {e.reason})"
+            ) from None
+    raise UnknownTicket(repr(ticket), f"a ticket must be bytes or str, got {type(ticket).__name__}")
+
+
+class Catalog:
+    """A thread-safe registry of the datasets a server serves, by name (the ticket, UTF-8 on the wire)."""
+
+    def __init__(self, datasets: dict[str, object] | None = None) -> None:
+        self._lock = threading.RLock()
+        self._datasets: dict[str, Dataset] = {}
+        for name, obj in (datasets or {}).items():
+            self.add(name, obj)
+
+    def add(self, name: str | None, obj: object, *, replace: bool = False) -> Dataset:
+        """Serve ``obj`` (anything :func:`dataset_from` takes) under ``name`` and return its Dataset.
+
+        ``name=None`` uses the dataset's own name (a path's stem). A name already served raises DatasetError
+        unless ``replace`` is true (the replaced dataset is not closed: requests may still be reading it).
+        """
+        dataset = dataset_from(obj, name)
+        key = dataset.name
+        with self._lock:
+            if key in self._datasets and not replace:
+                raise DatasetError(f"a dataset named {key!r} is already served")
+            self._datasets[key] = dataset
+        log.info("serving %r: %s", key, dataset)
+        return dataset
+
+    def remove(self, name: str | bytes) -> Dataset:
+        """Stop serving ``name`` and return its dataset (not closed: requests may still be reading it)."""
+        key = _ticket_name(name)
+        with self._lock:
+            try:
+                dataset = self._datasets.pop(key)
+            except KeyError:
+                raise UnknownTicket(name, f"unknown ticket {key!r}: no such dataset") from None
+        log.info("no longer serving %r", key)
+        return dataset
+
+    def get(self, ticket: str | bytes) -> Dataset:
+        """The dataset served under ``ticket`` (bytes are decoded as strict UTF-8), or UnknownTicket."""
+        key = _ticket_name(ticket)
+        with self._lock:
+            dataset = self._datasets.get(key)
+            if dataset is None:
+                served = sorted(self._datasets)
+                shown = ", ".join(repr(n) for n in served[:10]) + (", ..." if len(served) > 10 else "")
+                raise UnknownTicket(
+                    ticket, f"unknown ticket {key!r}: no such dataset (serving {shown or 'nothing'})"
+                )
+            return dataset
+
+    __getitem__ = get
+
+    def names(self) -> list[str]:
+        """The names served, in the order they were added."""
+        with self._lock:
+            return list(self._datasets)
+
+    def describe(self, name: str | bytes) -> dict[str, Any]:
+        """``{"name", "schema", "num_rows", "nbytes"}`` for ``name``; the hints are None when unknown."""
+        dataset = self.get(name)
+        return {
+            "name": _ticket_name(name),
+            "schema": dataset.schema,
+            "num_rows": dataset.num_rows,
+            "nbytes": dataset.nbytes,
+        }
+
+    def close(self) -> None:
+        """Close and forget every dataset."""
+        with self._lock:
+            datasets, self._datasets = list(self._datasets.values()), {}
+        for dataset in datasets:
+            dataset.close()
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            key = _ticket_name(name)
+        except UnknownTicket:
+            return False
+        with self._lock:
+            return key in self._datasets
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._datasets)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __enter__(self) -> Catalog:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Catalog({self.names()!r})"

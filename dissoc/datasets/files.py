@@ -1,0 +1,249 @@
+"""Datasets read from files: Arrow IPC files (memory-mapped, zero-copy) and streams, Parquet."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+
+import dissoc.codec as codec
+from dissoc.datasets.base import (
+    DEFAULT_PARQUET_BATCH_SIZE,
+    Dataset,
+    DatasetError,
+    close_quietly,
+)
+from dissoc.errors import CodecError
+
+log = logging.getLogger(__name__)
+
+# ------------------------------------------------------------------------------------------------------ files
+
+
+def _map_file(path: Path) -> tuple[pa.MemoryMappedFile, pa.Buffer]:
+    try:
+        mm = pa.memory_map(str(path), "r")
+    except (OSError, pa.ArrowException) as e:
+        raise CodecError(f"cannot memory-map {str(path)!r}: {e}") from None
+    try:
+        buf = mm.read_buffer()
+    except (OSError, pa.ArrowException) as e:
+        mm.close()
+        raise CodecError(f"cannot read {str(path)!r}: {e}") from None
+    return mm, buf
+
+
+class IpcFileDataset(Dataset):
+    """An Arrow IPC file, memory-mapped once and read with random access by :func:`dissoc.codec.open_file`.
+
+    Every batch is a zero-copy view of the mapping (:attr:`buffer`). Each :meth:`open` gets its own reader
+    (dictionaries are per reader) over the shared, read-only mapping; batches are decoded one per ``next()``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], name: str | None = None) -> None:
+        self.path = Path(path)
+        super().__init__(self.path.stem if name is None else name)
+        self._map, buffer = _map_file(self.path)
+        try:
+            reader = codec.open_file(buffer)
+        except BaseException:
+            self._map.close()
+            raise
+        self._buffer: pa.Buffer | None = buffer
+        self._size = int(buffer.size)
+        self._schema = reader.schema
+        self._num_batches = reader.num_record_batches
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self._schema
+
+    @property
+    def buffer(self) -> pa.Buffer:
+        """The whole file as one zero-copy ``pa.Buffer`` over the memory map (DatasetError once closed)."""
+        if self._buffer is None:
+            raise DatasetError(f"dataset {self.name!r} is closed")
+        return self._buffer
+
+    @property
+    def num_batches(self) -> int:
+        """The number of record batches in the file (from its footer)."""
+        return self._num_batches
+
+    @property
+    def nbytes(self) -> int:
+        """The file's size (message bodies plus a little framing)."""
+        return self._size
+
+    def open(self) -> Iterator[pa.RecordBatch]:
+        reader = codec.open_file(self.buffer)
+        return self._iterate(reader)
+
+    def _iterate(self, reader: codec.FileReader) -> Iterator[pa.RecordBatch]:
+        for i in range(reader.num_record_batches):
+            yield self._conform(reader.get_batch(i))
+
+    def close(self) -> None:
+        # Arrow unmaps only when the last slice of the mapping is released: batches handed out stay valid.
+        self._buffer = None
+        self._map.close()
+        super().close()
+
+    def __repr__(self) -> str:
+        return f"IpcFileDataset({str(self.path)!r}, name={self.name!r})"
+
+
+class IpcStreamDataset(Dataset):
+    """An Arrow IPC stream file, read by :func:`dissoc.codec.open_stream` over the path for each request.
+
+    The schema is read from the stream's first message when the dataset is built.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], name: str | None = None) -> None:
+        self.path = Path(path)
+        super().__init__(self.path.stem if name is None else name)
+        self._schema = codec.open_stream(self.path).schema
+        try:
+            self._size: int | None = self.path.stat().st_size
+        except OSError:
+            self._size = None
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self._schema
+
+    @property
+    def nbytes(self) -> int | None:
+        """The file's size (message bodies plus a little framing)."""
+        return self._size
+
+    def open(self) -> Iterator[pa.RecordBatch]:
+        self._check_open()
+        reader = codec.open_stream(self.path)
+        return self._iterate(reader)
+
+    def _iterate(self, reader: codec.StreamReader) -> Iterator[pa.RecordBatch]:
+        with reader:
+            for batch in reader:
+                yield self._conform(batch)
+
+    def __repr__(self) -> str:
+        return f"IpcStreamDataset({str(self.path)!r}, name={self.name!r})"
+
+
+class ParquetDataset(Dataset):
+    """A Parquet file, or a directory of Parquet files, read lazily through ``pyarrow.dataset``.
+
+    Batches of at most ``batch_size`` rows are produced by ``to_batches``; ``batch_readahead`` and
+    ``fragment_readahead`` bound how far the scanner reads ahead (kept small so memory stays bounded).
+    ``columns`` selects a subset of columns. ``num_rows`` and ``nbytes`` (uncompressed) come from the Parquet
+    footers, read on first use.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        name: str | None = None,
+        *,
+        batch_size: int = DEFAULT_PARQUET_BATCH_SIZE,
+        columns: list[str] | None = None,
+        batch_readahead: int = 2,
+        fragment_readahead: int = 1,
+        use_threads: bool = True,
+    ) -> None:
+        import pyarrow.dataset as pads
+
+        self.path = Path(path)
+        super().__init__(self.path.stem if name is None else name)
+        if batch_size <= 0:
+            raise DatasetError(f"dataset {self.name!r}: batch_size must be positive, got {batch_size}")
+        self.batch_size = batch_size
+        self.batch_readahead = batch_readahead
+        self.fragment_readahead = fragment_readahead
+        self.use_threads = use_threads
+        self.columns = columns
+        try:
+            self._dataset = pads.dataset(str(self.path), format="parquet")
+        except (OSError, pa.ArrowException) as e:
+            raise CodecError(f"cannot open Parquet {str(self.path)!r}: {e}") from None
+        if not self._dataset.files:
+            raise DatasetError(f"dataset {self.name!r}: no Parquet files under {str(self.path)!r}")
+        schema = self._dataset.schema
+        if columns is not None:
+            missing = [c for c in columns if schema.get_field_index(c) < 0]
+            if missing:
+                raise DatasetError(f"dataset {self.name!r}: no such columns {missing} in {str(self.path)!r}")
+            schema = pa.schema([schema.field(c) for c in columns], metadata=schema.metadata)
+        self._schema = schema
+        self._lock = threading.Lock()
+        self._stats: tuple[int, int] | None = None
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self._schema
+
+    @property
+    def files(self) -> list[str]:
+        """The Parquet files read, in order."""
+        return list(self._dataset.files)
+
+    def _footer_stats(self) -> tuple[int, int] | None:
+        with self._lock:
+            if self._stats is None:
+                rows = size = 0
+                try:
+                    for fragment in self._dataset.get_fragments():
+                        md = fragment.metadata
+                        rows += md.num_rows
+                        size += sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
+                except (OSError, pa.ArrowException):
+                    log.debug("dataset %r: reading Parquet footers failed", self.name, exc_info=True)
+                    return None
+                self._stats = (rows, size)
+            return self._stats
+
+    @property
+    def num_rows(self) -> int | None:
+        stats = self._footer_stats()
+        return None if stats is None else stats[0]
+
+    @property
+    def nbytes(self) -> int | None:
+        """Uncompressed size of the selected row groups (all columns), from the footers."""
+        stats = self._footer_stats()
+        return None if stats is None else stats[1]
+
+    def open(self) -> Iterator[pa.RecordBatch]:
+        self._check_open()
+        try:
+            batches = self._dataset.to_batches(
+                columns=self.columns,
+                batch_size=self.batch_size,
+                batch_readahead=self.batch_readahead,
+                fragment_readahead=self.fragment_readahead,
+                use_threads=self.use_threads,
+            )
+        except (OSError, pa.ArrowException) as e:
+            raise CodecError(f"cannot read Parquet {str(self.path)!r}: {e}") from None
+        return self._iterate(batches)
+
+    def _iterate(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        try:
+            while True:
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    return
+                except (OSError, pa.ArrowException) as e:
+                    raise CodecError(f"reading Parquet {str(self.path)!r} failed: {e}") from None
+                if batch.num_rows:
+                    yield self._conform(batch)
+        finally:
+            close_quietly(batches)  # stops the scan when a request is abandoned
+
+    def __repr__(self) -> str:
+        return f"ParquetDataset({str(self.path)!r}, name={self.name!r}, batch_size={self.batch_size})"

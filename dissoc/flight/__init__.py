@@ -1,0 +1,42 @@
+"""An Arrow Flight control plane in front of a dissoc server ("Flight RPC purely for control flow").
+
+- :mod:`~dissoc.flight.server`: :class:`FlightControlPlane` and :func:`serve_with_flight` (ListFlights,
+  GetFlightInfo with dissoc URIs as endpoint locations, DoGet for Flight-only clients, DoPut, actions);
+- :mod:`~dissoc.flight.client`: the control-plane calls (:func:`describe`, :func:`resolve`,
+  :func:`list_datasets`, :func:`publish`, :func:`remove`);
+- :mod:`~dissoc.flight.common`: what both share (schemes, action names, :func:`is_flight_location`).
+
+Fetching through a control plane is :func:`dissoc.fetch` (and every entry point of :mod:`dissoc.client`)
+with a ``grpc://`` location.
+"""
+
+from __future__ import annotations
+
+from dissoc.flight.client import DatasetInfo, describe, list_datasets, publish, remove, resolve
+from dissoc.flight.common import (
+    ACTION_LIST_TICKETS,
+    ACTION_REMOVE,
+    DEFAULT_TIMEOUT,
+    FLIGHT_SCHEMES,
+    Endpoint,
+    is_flight_location,
+)
+from dissoc.flight.server import FlightControlPlane, flight_server_class, serve_with_flight
+
+__all__ = [
+    "ACTION_LIST_TICKETS",
+    "ACTION_REMOVE",
+    "DEFAULT_TIMEOUT",
+    "FLIGHT_SCHEMES",
+    "DatasetInfo",
+    "Endpoint",
+    "FlightControlPlane",
+    "describe",
+    "flight_server_class",
+    "is_flight_location",
+    "list_datasets",
+    "publish",
+    "remove",
+    "resolve",
+    "serve_with_flight",
+]

@@ -1,0 +1,224 @@
+"""The control-plane calls a Flight client makes to a dissoc control plane: describe and resolve a dataset
+(its endpoints: metadata URI, data URI, ticket), list datasets, publish one with DoPut, remove one.
+
+Fetching the data itself is the dissoc client's job: :func:`dissoc.fetch` and the other entry points of
+:mod:`dissoc.client` accept a ``grpc://`` location and fetch every endpoint it lists over Dissociated IPC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import pyarrow as pa
+
+from dissoc.datasets import (
+    DatasetError,
+)
+from dissoc.errors import DissocError, ProtocolError, RemoteError, TransportError
+from dissoc.flight.common import (
+    ACTION_REMOVE,
+    DEFAULT_TIMEOUT,
+    Endpoint,
+    check_location,
+    flight_module,
+    ticket_name,
+)
+from dissoc.uri import DissocURI, UriError
+
+__all__ = ["DatasetInfo", "describe", "list_datasets", "publish", "remove", "resolve"]
+
+
+@dataclass(frozen=True, slots=True)
+class DatasetInfo:
+    """A dataset as a control plane describes it; ``num_rows``/``nbytes`` are None when not known."""
+
+    name: str
+    schema: pa.Schema
+    num_rows: int | None
+    nbytes: int | None
+    endpoints: list[Endpoint] = field(default_factory=list)
+
+
+_TRANSPORT_FAILURES: Final = ("FlightUnavailableError", "FlightTimedOutError", "FlightCancelledError")
+_CODES: Final = {
+    "FlightServerError": "server_error",
+    "FlightInternalError": "internal",
+    "FlightUnauthenticatedError": "unauthenticated",
+    "FlightUnauthorizedError": "unauthorized",
+    "FlightWriteSizeExceededError": "too_large",
+    "ArrowKeyError": "not_found",
+    "ArrowInvalid": "invalid_argument",
+    "ArrowNotImplementedError": "unimplemented",
+}
+
+
+def _translate(e: Exception, what: str, location: str) -> DissocError:
+    """A pyarrow/Flight exception as the dissoc error it means."""
+    text = str(e).split(". Detail: ", 1)[0].strip() or type(e).__name__
+    kind = type(e).__name__
+    if kind in _TRANSPORT_FAILURES or isinstance(e, OSError):
+        return TransportError(f"{what} at {location}: {text}")
+    code = _CODES.get(kind, "flight_error")
+    extra = getattr(e, "extra_info", None)
+    if extra:
+        with contextlib.suppress(ValueError, TypeError, UnicodeDecodeError):
+            info = json.loads(bytes(extra))
+            if isinstance(info, dict) and isinstance(info.get("code"), str):
+                code = info["code"]
+                text = str(info.get("message") or text)
+    return RemoteError(code, f"{what} at {location}: {text}")
+
+
+@contextlib.contextmanager
+def _client(location: str, what: str) -> Iterator[Any]:
+    """A FlightClient to ``location``; every pyarrow error inside the block becomes a dissoc error."""
+    flight = flight_module()
+    check_location(location)
+    try:
+        client = flight.FlightClient(location)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise UriError(f"Flight location {location!r}: {e}") from None
+    try:
+        yield client
+    except (pa.ArrowException, OSError) as e:
+        raise _translate(e, what, location) from None
+    finally:
+        with contextlib.suppress(Exception):
+            client.close()
+
+
+def _call_options(timeout: float | None) -> Any:
+    return flight_module().FlightCallOptions(timeout=timeout)
+
+
+def _location_text(loc: Any, where: str) -> str:
+    raw = getattr(loc, "uri", loc)
+    try:
+        return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+    except UnicodeDecodeError:
+        raise ProtocolError(f"{where}: a location is not valid UTF-8: {raw[:80]!r}") from None
+
+
+def _parse_info(info: Any, where: str) -> DatasetInfo:
+    """Check a FlightInfo from a control plane and turn it into a DatasetInfo (ProtocolError if malformed)."""
+    try:
+        schema = info.schema
+        descriptor = info.descriptor
+        raw_endpoints = list(info.endpoints)
+        rows, nbytes = int(info.total_records), int(info.total_bytes)
+    except (pa.ArrowException, OSError, ValueError, TypeError) as e:
+        raise ProtocolError(f"{where}: unreadable FlightInfo: {e}") from None
+    endpoints: list[Endpoint] = []
+    for i, ep in enumerate(raw_endpoints):
+        locations = [_location_text(loc, where) for loc in ep.locations]
+        if len(locations) < 2:
+            raise ProtocolError(
+                f"{where}: endpoint {i} has {len(locations)} location(s) {locations}; expected two dissoc "
+                "URIs, the metadata URI then the data URI"
+            )
+        uri, data_uri = locations[0], locations[1]
+        for role, text in (("metadata", uri), ("data", data_uri)):
+            try:
+                DissocURI.parse(text)
+            except UriError as e:
+                raise ProtocolError(
+                    f"{where}: endpoint {i}'s {role} location {text!r} is not a dissoc URI "
+                    f"(SCHEME://HOST:PORT?want_data=N): {e}"
+                ) from None
+        endpoints.append((uri, data_uri, bytes(ep.ticket.ticket)))
+    name = ""
+    with contextlib.suppress(Exception):
+        if descriptor.descriptor_type == flight_module().DescriptorType.PATH:
+            name = "/".join(ticket_name(p) for p in descriptor.path)
+        else:
+            name = ticket_name(descriptor.command)
+    return DatasetInfo(
+        name=name,
+        schema=schema,
+        num_rows=None if rows < 0 else rows,
+        nbytes=None if nbytes < 0 else nbytes,
+        endpoints=endpoints,
+    )
+
+
+def describe(location: str, ticket: str | bytes, *, timeout: float | None = DEFAULT_TIMEOUT) -> DatasetInfo:
+    """GetFlightInfo for the dataset ``ticket`` (descriptor ``for_path(name)``), checked."""
+    flight = flight_module()
+    what = f"GetFlightInfo({ticket!r})"
+    with _client(location, what) as client:
+        info = client.get_flight_info(flight.FlightDescriptor.for_path(ticket), _call_options(timeout))
+    return _parse_info(info, f"{what} at {location}")
+
+
+def resolve(location: str, ticket: str | bytes, *, timeout: float | None = DEFAULT_TIMEOUT) -> list[Endpoint]:
+    """The endpoints of dataset ``ticket`` at the Flight control plane ``location``:
+    ``[(metadata URI, data URI, ticket), ...]``, from GetFlightInfo.
+
+    Raises TransportError (unreachable, or no answer within ``timeout`` seconds), RemoteError (the control
+    plane refused, e.g. code ``unknown_ticket``), ProtocolError (an endpoint without two dissoc URIs), or
+    UriError (``location`` is not ``grpc://HOST:PORT``).
+    """
+    return describe(location, ticket, timeout=timeout).endpoints
+
+
+def list_datasets(location: str, *, timeout: float | None = DEFAULT_TIMEOUT) -> list[DatasetInfo]:
+    """Every dataset the control plane at ``location`` lists (ListFlights), with its endpoints."""
+    what = "ListFlights"
+    with _client(location, what) as client:
+        infos = list(client.list_flights(b"", _call_options(timeout)))
+    return [_parse_info(info, f"{what} at {location}") for info in infos]
+
+
+def publish(
+    location: str,
+    name: str,
+    data: pa.Table | pa.RecordBatch | pa.RecordBatchReader,
+    *,
+    replace: bool = False,
+    timeout: float | None = None,
+) -> int:
+    """Upload ``data`` with DoPut; the control plane's dissoc server then serves it as ``name``.
+
+    A name already served is refused (RemoteError ``already_exists``) unless ``replace``. ``timeout`` bounds
+    the whole upload (None: no bound). Returns the number of rows the server stored (-1 when the service
+    acknowledged in some other way than a dissoc control plane does).
+    """
+    flight = flight_module()
+    if isinstance(data, pa.RecordBatch):
+        data = pa.Table.from_batches([data])
+    if not isinstance(data, (pa.Table, pa.RecordBatchReader)):
+        raise DatasetError(
+            f"publish: expected a pyarrow.Table, RecordBatch or RecordBatchReader, got {type(data).__name__}"
+        )
+    if replace:
+        descriptor = flight.FlightDescriptor.for_command(json.dumps({"name": name, "replace": True}))
+    else:
+        descriptor = flight.FlightDescriptor.for_path(name)
+    what = f"DoPut({name!r})"
+    with _client(location, what) as client:
+        writer, ack_reader = client.do_put(descriptor, data.schema, _call_options(timeout))
+        with writer:  # close() reports the server's verdict
+            if isinstance(data, pa.Table):
+                writer.write_table(data)
+            else:
+                for batch in data:
+                    writer.write_batch(batch)
+            writer.done_writing()
+            ack = ack_reader.read()
+    try:
+        return int(json.loads(ack.to_pybytes())["rows"]) if ack is not None else -1
+    except (ValueError, KeyError, TypeError):
+        return -1
+
+
+def remove(location: str, name: str | bytes, *, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+    """Stop serving dataset ``name`` (the ``remove`` action); RemoteError ``unknown_ticket`` if not served."""
+    flight = flight_module()
+    body = name.encode("utf-8") if isinstance(name, str) else bytes(name)
+    what = f"action remove({name!r})"
+    with _client(location, what) as client:
+        list(client.do_action(flight.Action(ACTION_REMOVE, body), _call_options(timeout)))

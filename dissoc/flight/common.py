@@ -1,0 +1,83 @@
+"""What the Flight control plane's server and client share: the location schemes, action names, the endpoint
+shape, and ``pyarrow.flight`` imported on first use (a missing one is a :class:`~dissoc.errors.DissocError`
+that says what to install)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Final
+
+from dissoc.datasets import (
+    DatasetError,
+)
+from dissoc.errors import DissocError
+from dissoc.uri import UriError
+
+__all__ = [
+    "ACTION_LIST_TICKETS",
+    "ACTION_REMOVE",
+    "DEFAULT_TIMEOUT",
+    "FLIGHT_SCHEMES",
+    "Endpoint",
+    "check_location",
+    "flight_module",
+    "is_flight_location",
+    "ticket_name",
+]
+
+log = logging.getLogger(__name__)
+
+#: Location schemes that name a Flight service (``grpc`` is what dissoc prints).
+FLIGHT_SCHEMES: Final = frozenset({"grpc", "grpc+tcp", "grpc+tls", "grpc+unix"})
+#: Seconds a control-plane call (resolve, list, remove) may take before it fails.
+DEFAULT_TIMEOUT: Final = 10.0
+#: DoAction type that stops serving a dataset; the body is its ticket.
+ACTION_REMOVE: Final = "remove"
+#: DoAction type whose one result is the JSON list of the tickets served.
+ACTION_LIST_TICKETS: Final = "list-tickets"
+
+_ACTIONS: Final = (
+    (ACTION_REMOVE, 'Stop serving a dataset to new requests; body: its ticket. Result: JSON {"removed"}.'),
+    (ACTION_LIST_TICKETS, "The tickets served. Result: one JSON list of strings."),
+)
+
+#: An endpoint as :func:`resolve` returns it: (metadata URI, data URI, ticket).
+Endpoint = tuple[str, str, bytes]
+
+
+def flight_module() -> Any:
+    """``pyarrow.flight``, or a DissocError naming what to install."""
+    try:
+        import pyarrow.flight as flight
+    except ImportError as e:
+        raise DissocError(
+            f"the Flight control plane needs pyarrow built with Arrow Flight (pyarrow.flight): {e}; "
+            "install a pyarrow wheel from PyPI (it includes Flight) or conda's 'pyarrow' with libarrow-flight"
+        ) from None
+    return flight
+
+
+def is_flight_location(uri: object) -> bool:
+    """Whether ``uri`` is a string naming a Flight service (``grpc://``, ``grpc+tcp://``, ...)."""
+    if not isinstance(uri, str) or "://" not in uri:
+        return False
+    return uri.split("://", 1)[0].lower() in FLIGHT_SCHEMES
+
+
+def check_location(location: object) -> str:
+    if not is_flight_location(location):
+        raise UriError(
+            f"Flight location: expected grpc://HOST:PORT (schemes {', '.join(sorted(FLIGHT_SCHEMES))}), "
+            f"got {location!r}"
+        )
+    assert isinstance(location, str)
+    return location
+
+
+def ticket_name(ticket: str | bytes) -> str:
+    if isinstance(ticket, str):
+        return ticket
+    try:
+        return bytes(ticket).decode("utf-8")
+    except UnicodeDecodeError:
+        raise DatasetError(f"ticket {bytes(ticket)[:64]!r} is not valid UTF-8") from None

@@ -1,0 +1,281 @@
+"""What the spec's two servers share: a listener whose connections ask for tickets with want_data, and the
+loop that walks a dataset's messages and hands each to the *parts* of the stream the server sends.
+
+A stream has two parts: the metadata stream (:class:`dissoc.metadata_server.MetadataPart`) and the bodies
+(:class:`dissoc.data_server.DataPart`). A metadata server sends the first, a data server the second, and a
+combined server both over one connection (:class:`dissoc.server.CombinedServer`). The walk numbers the
+messages with :class:`~dissoc.protocol.ServerStream` whichever parts it drives, which is what lets a client
+join a metadata server's stream with a data server's.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from dissoc.buffers import BytesLike
+from dissoc.datasets import Catalog, Dataset
+from dissoc.datasets.messages import dataset_messages, same_every_time
+from dissoc.errors import DissocError, TransportError
+from dissoc.protocol import ERROR_TAG, ServerMessage, ServerStream, encode_error, fmt_seq, fmt_tag
+from dissoc.transport import Connection, Listener, serve
+from dissoc.uri import DissocURI
+
+if TYPE_CHECKING:
+    from dissoc.memory.pairs import ServedArena
+    from dissoc.memory.placements import Placements
+    from dissoc.protocol.ledger import Ledger
+
+__all__ = ["Outbox", "Role", "RoleServer", "ServeOptions", "StreamPart", "stream_dataset"]
+
+log = logging.getLogger(__name__)
+
+
+class Role(enum.Enum):
+    """Which streams a connection carries."""
+
+    METADATA = "metadata"
+    DATA = "data"
+    COMBINED = "combined"
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """Per-server settings shared by its connections.
+
+    With ``placements`` (over the arena of ``served``, and a ``ledger``), bodies are sent as address/length
+    pairs (body type 1): each batch's buffers are placed in the arena and stay there until the client frees
+    them with free_data or disconnects; stored and in-memory batches stay resident (placed once, listed to
+    every client that asks) unless the placements were made with ``resident=False``.
+    """
+
+    want_data: int
+    free_data: int | None = None
+    compression: str | None = None
+    ledger: Ledger | None = None
+    served: ServedArena | None = None  # what the data URI publishes (the arena's name, handle, memory kind)
+    placements: Placements | None = None
+
+    @property
+    def pairs(self) -> bool:
+        """Whether bodies are sent as pair lists into an arena."""
+        return self.placements is not None
+
+
+# Small messages from a source that never blocks are written together, up to these limits per system call.
+_COALESCE_BYTES = 256 << 10
+_COALESCE_MESSAGES = 64
+
+
+class Outbox:
+    """Frames waiting to be written to one connection: coalesced into one vectored send where the source
+    never blocks, flushed after every message otherwise (so the client never waits on a half-filled batch)."""
+
+    def __init__(self, conn: Connection, *, coalesce: bool) -> None:
+        self.conn = conn
+        self._coalesce = coalesce
+        self._frames: list[tuple[int | None, Any]] = []
+        self._bytes = 0
+
+    def add(self, tag: int | None, data: BytesLike | Sequence[BytesLike], nbytes: int) -> None:
+        """Queue one frame: untagged (metadata stream) when ``tag`` is None, else tagged."""
+        self._frames.append((tag, data))
+        self._bytes += nbytes
+
+    async def flush(self) -> None:
+        """Write everything queued."""
+        if self._frames:
+            frames, self._frames, self._bytes = self._frames, [], 0
+            await self.conn.send_many(frames)
+
+    async def message_done(self) -> None:
+        """One message's frames are queued: write them now unless coalescing and under the limits."""
+        if not self._coalesce or self._bytes >= _COALESCE_BYTES or len(self._frames) >= _COALESCE_MESSAGES:
+            await self.flush()
+
+
+class StreamPart(abc.ABC):
+    """One part of a stream as a server sends it (the metadata stream, or the bodies)."""
+
+    def schema(self, out: Outbox, header: bytes, metadata: Any) -> None:  # noqa: B027 (optional hook)
+        """The Schema message (sequence number 0; it has no body)."""
+
+    @abc.abstractmethod
+    async def message(self, out: Outbox, sent: ServerMessage, metadata: Any, body: list[Any]) -> None:
+        """One message after the schema, numbered by ``sent``."""
+
+    def end(self, out: Outbox, stream: ServerStream) -> None:  # noqa: B027 (optional hook)
+        """Every message was handed over."""
+
+
+async def stream_dataset(
+    out: Outbox,
+    dataset: Dataset,
+    parts: Sequence[StreamPart],
+    *,
+    compression: str | None,
+    send_error: Callable[[bytes], Any],
+) -> int:
+    """Walk ``dataset``'s messages through ``parts``; returns the number of messages numbered.
+
+    A failure of the dataset or its encoding is reported to the client with ``send_error`` (an error
+    message numbered after what was sent), which ends the stream; a transport failure propagates.
+    """
+    stream = ServerStream()
+    try:
+        first = True
+        async for metadata, body, with_body in dataset_messages(dataset, compression):
+            if first:
+                first = False
+                header = stream.schema(metadata)
+                for part in parts:
+                    part.schema(out, header, metadata)
+                continue
+            sent = stream.message(metadata, with_body)
+            for part in parts:
+                await part.message(out, sent, metadata, body)
+            await out.message_done()
+        count = stream.next_seq
+        for part in parts:
+            part.end(out, stream)
+        await out.flush()
+        log.debug("stream of %r done: %s messages", dataset.name, fmt_seq(count))
+        return count
+    except TransportError:
+        raise
+    except (DissocError, pa.ArrowException, OSError, ValueError) as e:
+        # The dataset or its encoding failed: tell the client on the stream, which then ends.
+        log.warning("stream of %r failed: %s", dataset.name, e)
+        await out.flush()
+        await send_error(_error(stream, "stream_failed", f"serving {dataset.name!r} failed: {e}"))
+        return stream.next_seq
+
+
+def _error(stream: ServerStream, code: str, message: str) -> bytes:
+    try:
+        return stream.error(code, message)
+    except RuntimeError:  # the stream already ended or failed: number the error after what was sent
+        return encode_error(stream.next_seq, code, message)
+
+
+class RoleServer(abc.ABC):
+    """A listener whose connections carry the streams of one role (base of the metadata and data servers).
+
+    A connection's life: wait for want_data, answer with the stream of the ticket it names, wait again,
+    until the peer leaves. Subclasses say which parts of a stream they send (:meth:`parts`).
+    """
+
+    role: Role = Role.COMBINED
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        options: ServeOptions,
+        *,
+        transport: str = "tcp",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        **transport_options: object,
+    ) -> None:
+        self.catalog = catalog
+        self.options = options
+        self.transport = transport
+        self._host = host
+        self._port = port
+        self._transport_options = transport_options
+        self._listener: Listener | None = None
+
+    @abc.abstractmethod
+    def parts(self, conn: Connection, dataset: Dataset, current: Callable[[], bool]) -> list[StreamPart]:
+        """The parts of ``dataset``'s stream this server sends on ``conn`` (made per request).
+
+        ``current()`` says whether ``dataset`` is still the one served under its name.
+        """
+
+    async def start(self) -> None:
+        if self._listener is None:
+            self._listener = await serve(
+                self.transport, self._host, self._port, self.serve_connection, **self._transport_options
+            )
+            log.info("%s server listening on %s:%d", self.role.value, self.host, self.port)
+
+    async def serve_connection(self, conn: Connection) -> None:
+        """Answer ``conn``'s want_data requests until the peer leaves."""
+        while True:
+            try:
+                request = await conn.recv_tagged(self.options.want_data)
+            except TransportError:
+                return
+            ticket = bytes(request.view())
+            log.debug("want_data tag=%s ticket=%r on %s", fmt_tag(request.tag), ticket[:64], conn.description)
+            try:
+                dataset = self.catalog.get(ticket)
+            except DissocError as e:
+                await self.send_error(conn, encode_error(0, "unknown_ticket", str(e)))
+                continue
+            out = Outbox(conn, coalesce=same_every_time(dataset))
+            # Taken before the first await: the dataset is the one the catalog just gave.
+            parts = self.parts(conn, dataset, _served_now(self.catalog, dataset))
+            await stream_dataset(
+                out,
+                dataset,
+                parts,
+                compression=self.options.compression,
+                send_error=lambda message: self.send_error(conn, message),
+            )
+
+    async def send_error(self, conn: Connection, message: bytes) -> None:
+        """Errors go on the metadata stream; a data-only connection carries them as a tagged ERROR_TAG
+        message (the project's error extension)."""
+        if self.role is Role.DATA:
+            await conn.send_tagged(ERROR_TAG, message)
+        else:
+            await conn.send(message)
+
+    @property
+    def host(self) -> str:
+        return self._listener.host if self._listener is not None else self._host
+
+    @property
+    def port(self) -> int:
+        return self._listener.port if self._listener is not None else self._port
+
+    def uri(self, **params: str) -> DissocURI:
+        """The URI clients use to reach this server (with where pairs point, for a data server using them)."""
+        served = self.options.served if self.role is not Role.METADATA else None
+        if self._listener is not None:
+            params = {**self._listener.uri_params(), **params}
+        if served is not None:
+            params = {**served.params, **params}
+        return DissocURI(
+            self.transport,
+            self.host,
+            self.port,
+            self.options.want_data,
+            self.options.free_data if served is not None else None,
+            remote_handle=served.remote_handle if served is not None else None,
+            memory=served.memory if served is not None else None,
+            params=params,
+        )
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            listener.close()
+            await listener.wait_closed()
+
+
+def _served_now(catalog: Catalog, dataset: Dataset) -> Callable[[], bool]:
+    def current() -> bool:
+        try:
+            return catalog.get(dataset.name) is dataset
+        except DissocError:
+            return False
+
+    return current
