@@ -15,8 +15,8 @@ Ranges are keyed by their offset/address. A range may be live for *several* clie
 placement (:mod:`dissoc.memory.placements`) is listed to every client that asks for it -- and then each of
 those clients holds its own listing of it and frees that listing once; the memory itself may be reused only
 when no client holds it any more (:meth:`Ledger.holders_of` is empty), which is the driver's business. Within
-one client an offset is live at most once. Zero-length ranges (the ``(0, 0)`` pairs of empty buffers) are never
-recorded, so a client must not list them in free_data.
+one client an offset is live at most once. Zero-length ranges (the ``(0, 0)`` pairs of empty buffers) are
+never recorded, so a client must not list them in free_data.
 """
 
 from __future__ import annotations
