@@ -473,8 +473,8 @@ async def resolve_endpoints(
         return [(uri, data_uri, ticket)], None
     if data_uri is not None:
         raise DissocError(
-            "data_uri (--data-uri) does not apply to a Flight location (grpc://): the control plane gives each "
-            "endpoint's URIs"
+            "data_uri (--data-uri) does not apply to a Flight location (grpc://): the control plane gives "
+            "each endpoint's URIs"
         )
     from dissoc.flight.client import describe
 
