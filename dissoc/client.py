@@ -33,17 +33,23 @@ from dissoc.protocol import (
     BODY_ERROR,
     BODY_PACKED,
     BODY_PAIRS,
+    ClientState,
     ClientStream,
+    ErrorMessage,
     MessageReady,
+    MessageType,
     PairList,
     SchemaReceived,
     StreamEnded,
+    body_type_of,
     decode_stream_message,
     encode_free,
     fmt_seq,
+    next_seq,
+    peek_prefix,
     seq_diff,
+    seq_of,
 )
-from dissoc.protocol.framing import ErrorMessage
 from dissoc.transport import Connection, connect
 from dissoc.uri import DissocURI
 
@@ -66,6 +72,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: Metadata-stream messages whose sequence numbers follow the stream's order (errors are numbered after it).
+_ORDERED_TYPES = frozenset({MessageType.END_OF_STREAM, MessageType.METADATA})
 
 #: Tasks that outlive the call that started them (zero-copy sessions waiting for their batches to go).
 _background: set[asyncio.Task[None]] = set()
@@ -164,7 +173,6 @@ class _Session:
         self.conns: list[Connection] = []
         self.tasks: list[asyncio.Task[None]] = []
         self.stats = FetchStats()
-        self.stream_done = False
         self._flush_scheduled = False
         ordered = options.ordered_metadata
         self.ordered = meta_uri.scheme == "tcp" if ordered is None else ordered
@@ -241,7 +249,7 @@ class _Session:
             # Packed bodies go straight into device memory; the small tagged messages (pairs, errors) stay
             # on the host, where they are parsed.
             def allocate(tag: int, length: int) -> Any:
-                if tag >> 56 == BODY_PACKED:
+                if body_type_of(tag) == BODY_PACKED:
                     return device.allocate(length)
                 return default_allocator(tag, length)
 
@@ -269,7 +277,7 @@ class _Session:
                 ev = await asyncio.wait_for(ready.get(), self.options.timeout)
             except TimeoutError:
                 missing = [fmt_seq(m) for m in self.stream.missing()[:8]]
-                if self.stream.state.name == "ENDED" and not self.stream.metadata_complete:
+                if self.stream.state is ClientState.ENDED and not self.stream.metadata_complete:
                     # The server said how many messages it sent, and metadata for some never came.
                     raise ProtocolError(
                         f"the stream ended, but after {self.options.timeout} s messages are still missing: "
@@ -311,12 +319,12 @@ class _Session:
         stream = self.stream
         while True:
             buf = await conn.recv()
-            kind = buf[0] if len(buf) else -1
-            if kind in (0, 1) and len(buf) >= 5:
-                seq = int.from_bytes(bytes(buf[1:5]), "little")
+            prefix = peek_prefix(buf)
+            if prefix is not None and prefix[0] in _ORDERED_TYPES:
+                kind, seq = prefix
                 if self.ordered:
                     self._check_order(kind, seq)
-                if kind == 1:
+                if kind == MessageType.METADATA:
                     await self._wait_window(seq)
             self._publish(stream.receive_metadata_message(buf))
             # Done once the end of stream and all metadata before it are in; the server keeps the
@@ -327,25 +335,25 @@ class _Session:
     def _check_order(self, kind: int, seq: int) -> None:
         """On an ordered transport every metadata message has the next number, and EOS carries the count."""
         if seq != self.expected_meta:
-            what = "end of stream" if kind == 0 else "metadata message"
+            what = "end of stream" if kind == MessageType.END_OF_STREAM else "metadata message"
             raise ProtocolError(
                 f"metadata stream: expected {what} {fmt_seq(self.expected_meta)}, got {fmt_seq(seq)} "
                 f"(the transport delivers in order, so this is a gap or a duplicate)"
             )
-        if kind == 1:
-            self.expected_meta = (seq + 1) & 0xFFFFFFFF
+        if kind == MessageType.METADATA:
+            self.expected_meta = next_seq(seq)
 
     async def _read_bodies(self, conn: Connection) -> None:
         self.data_conn = conn
         limit = self.options.max_in_flight_bytes
         while not self.stream.finished:
             msg = await conn.recv_tagged(0, 0)
-            if msg.tag >> 56 == BODY_ERROR:
+            if body_type_of(msg.tag) == BODY_ERROR:
                 err = decode_stream_message(msg.view())
                 if isinstance(err, ErrorMessage):
                     raise RemoteError(err.code, err.message)
                 raise ProtocolError(f"data stream: an error tag carried a {type(err).__name__}, not an error")
-            seq = msg.tag & 0xFFFFFFFF
+            seq = seq_of(msg.tag)
             await self._wait_window(seq)
             n = msg.nbytes
             self.in_flight += n
@@ -417,7 +425,6 @@ class _Session:
         for t in self.tasks:
             with contextlib.suppress(BaseException):  # cancelled, or already reported to the consumer
                 await t
-        self.stream_done = True
         # The stream is over: the decoders' dictionaries are needed no more. Zero-copy ones lie in the
         # server's memory, which goes back when the consumer's batches are released, not with the session.
         self.decoder.dictionaries.clear()

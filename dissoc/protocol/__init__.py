@@ -26,6 +26,7 @@ from dissoc.protocol.framing import (
     encode_metadata_header,
     encode_metadata_message,
     encode_prefix,
+    peek_prefix,
 )
 from dissoc.protocol.pairs import (
     PAIRS_HEADER_SIZE,
@@ -73,9 +74,11 @@ from dissoc.protocol.tags import (
     TAG_MAX,
     BodyTag,
     body_type_name,
+    body_type_of,
     fmt_tag,
     make_body_tag,
     parse_body_tag,
+    seq_of,
 )
 
 __all__ = [
@@ -118,6 +121,7 @@ __all__ = [
     "StreamStateError",
     "as_byte_view",
     "body_type_name",
+    "body_type_of",
     "check_seq",
     "decode_free",
     "decode_pairs",
@@ -135,8 +139,10 @@ __all__ = [
     "make_body_tag",
     "next_seq",
     "parse_body_tag",
+    "peek_prefix",
     "seq_add",
     "seq_diff",
     "seq_distance",
     "seq_lt",
+    "seq_of",
 ]

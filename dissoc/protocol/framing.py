@@ -42,6 +42,7 @@ __all__ = [
     "encode_metadata_header",
     "encode_metadata_message",
     "encode_prefix",
+    "peek_prefix",
 ]
 
 PREFIX_SIZE: Final = 5
@@ -89,6 +90,16 @@ class ErrorMessage:
 
 StreamMessage = EndOfStream | MetadataMessage | ErrorMessage
 """Anything that can arrive on the metadata stream."""
+
+
+def peek_prefix(buf: BytesLike) -> tuple[int, int] | None:
+    """``(type, seq)`` of a metadata-stream message's prefix without decoding the rest, or None when ``buf``
+    is shorter than a prefix (a cheap look for ordering checks; :func:`decode_stream_message` validates)."""
+    mv = as_byte_view(buf)
+    if len(mv) < PREFIX_SIZE:
+        return None
+    msg_type, seq = _PREFIX.unpack_from(mv)
+    return msg_type, seq
 
 
 def encode_prefix(msg_type: int, seq: int) -> bytes:

@@ -74,6 +74,17 @@ def fmt_tag(tag: int) -> str:
     return f"0x{tag:016x}"
 
 
+def body_type_of(tag: int) -> int:
+    """The body-type byte of a data-stream tag (bits 56-63), unchecked: for dispatch on the receive path;
+    :func:`parse_body_tag` validates."""
+    return tag >> BODY_TYPE_SHIFT
+
+
+def seq_of(tag: int) -> int:
+    """The sequence number of a data-stream tag (bits 0-31), unchecked."""
+    return tag & SEQ_MASK
+
+
 def make_body_tag(seq: int, body_type: int) -> int:
     """The tag for the body of message ``seq`` sent as ``body_type`` (``BODY_PACKED`` or ``BODY_PAIRS``).
 
