@@ -106,7 +106,6 @@ class Placements:
         #: Counters: batches listed from a resident placement / placed in the arena / bytes copied there.
         self.hits = 0
         self.placed = 0
-        self.placed_bytes = 0
         self.evicted = 0
 
     # -- queries --------------------------------------------------------------------------------------------
@@ -299,7 +298,6 @@ class Placements:
         nbytes = sum(_rounded(n) for _, n in placed if n)
         with self._lock:
             self.placed += 1
-            self.placed_bytes += sum(n for _, n in placed)
             if scope is None or scope.retired or self._closed or not offsets:
                 return placed
             cached = scope.entries.get(index)

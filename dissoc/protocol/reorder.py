@@ -146,10 +146,6 @@ class _Slot(Generic[M, B]):
     def complete(self) -> bool:
         return self.meta_arrived and (self.body_arrived or not self.has_body)
 
-    @property
-    def awaiting_body(self) -> bool:
-        return self.meta_arrived and self.has_body and not self.body_arrived
-
 
 class _BodyWhat:
     """Names a body in error messages; formatted only when an error is raised (keeps the hot path cheap)."""
