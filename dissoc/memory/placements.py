@@ -103,7 +103,7 @@ class Placements:
         self._idle_bytes = 0
         self._hungry = 0  # tasks waiting for room in the arena
         self._closed = False
-        #: Counters: batches listed from a resident placement / placed in the arena / bytes copied there.
+        #: Counters: batches listed from a resident placement / placed in the arena / evicted.
         self.hits = 0
         self.placed = 0
         self.evicted = 0
