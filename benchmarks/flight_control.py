@@ -9,7 +9,7 @@ process along these paths:
 - ``via-plane-combined``   the same subprocess: ``dissoc.flight.resolve`` (GetFlightInfo) then
                            ``dissoc.client.open_stream`` on each endpoint, over dissoc TCP;
 - ``via-plane-split``      the same against ``dissoc serve --flight 0 --split``;
-- ``fetch-via-flight``     ``dissoc.flight.fetch_via_flight`` (resolve, fetch every endpoint, one table), then
+- ``fetch-via-flight``     ``dissoc.fetch`` of the ``grpc://`` location (resolve, fetch every endpoint, one table), then
                            every batch of the table is consumed.
 
 Every timed transfer includes the control-plane round trip (GetFlightInfo) where the path has one, and
@@ -121,14 +121,14 @@ def via_plane(split: bool) -> PathFactory:
 
 
 def fetch_via_flight_path(dataset: Dataset, stack: contextlib.ExitStack) -> Transfer:
-    """``dissoc.flight.fetch_via_flight`` (one table), then every batch of it."""
-    from dissoc.flight import fetch_via_flight
+    """``dissoc.fetch`` of the ``grpc://`` location (one table), then every batch of it."""
+    from dissoc.client import fetch
 
     info = _start_dissoc(dataset, stack, split=False)
     location, ticket = str(info["flight"]), str(info["ticket"])
 
     def transfer() -> Consumed:
-        return anchors.consume(fetch_via_flight(location, ticket).to_batches())
+        return anchors.consume(fetch(location, ticket).to_batches())
 
     return transfer
 
@@ -139,7 +139,7 @@ PATHS: list[tuple[str, str, PathFactory]] = [
     ("plane-do-get", "plane do_get", plane_do_get),
     ("via-plane-combined", "dissoc via plane, combined", via_plane(split=False)),
     ("via-plane-split", "dissoc via plane, split", via_plane(split=True)),
-    ("fetch-via-flight", "fetch_via_flight (table)", fetch_via_flight_path),
+    ("fetch-via-flight", "dissoc.fetch(grpc://) (table)", fetch_via_flight_path),
 ]
 
 

@@ -15,7 +15,7 @@ from dissoc.errors import (
     TransportError,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "CodecError",
