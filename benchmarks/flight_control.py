@@ -9,8 +9,8 @@ process along these paths:
 - ``via-plane-combined``   the same subprocess: ``dissoc.flight.resolve`` (GetFlightInfo) then
                            ``dissoc.client.open_stream`` on each endpoint, over dissoc TCP;
 - ``via-plane-split``      the same against ``dissoc serve --flight 0 --split``;
-- ``fetch-via-flight``     ``dissoc.fetch`` of the ``grpc://`` location (resolve, fetch every endpoint, one table), then
-                           every batch of the table is consumed.
+- ``fetch-via-flight``     ``dissoc.fetch`` of the ``grpc://`` location (resolve, fetch every endpoint, one
+                           table), then every batch of the table is consumed.
 
 Every timed transfer includes the control-plane round trip (GetFlightInfo) where the path has one, and
 consumes every batch with the same consumer (``_anchors.consume``). Workloads are ``_anchors``'s: ``large``
