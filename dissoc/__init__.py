@@ -6,6 +6,8 @@ that point at shared, remote or GPU memory), matched by sequence number.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dissoc.errors import (
     CodecError,
     DissocError,
@@ -14,6 +16,10 @@ from dissoc.errors import (
     ResourceError,
     TransportError,
 )
+
+if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
+    from dissoc.client import fetch, fetch_async, open_stream, stream_batches
+    from dissoc.server import Server
 
 __version__ = "0.2.0"
 
