@@ -74,7 +74,10 @@ def _imports(module: str) -> list[tuple[str, int]]:
                     anchor = anchor[:-1]
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join([*anchor, base] if base else anchor)
-            names = [f"{base}.{alias.name}" for alias in node.names] + [base]
+            # ``from P import m`` imports the module P.m when there is one, else a name of P
+            names = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names
+            ]
         for name in names:
             if name == "dissoc" or name.startswith("dissoc."):
                 target = _resolve(name)
