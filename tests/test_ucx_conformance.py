@@ -32,8 +32,8 @@ pytestmark = [pytest.mark.ucx, pytest.mark.timeout(120)]
 
 T = TypeVar("T")
 
-# The documented constants of the handshake (dissoc/transport/ucx.py), restated here on purpose: a change
-# there is a wire change, and must fail this test.
+# The documented constants of the handshake (dissoc/transport/ucx/handshake.py), restated here on purpose: a
+# change there is a wire change, and must fail this test.
 MAGIC = b"DISSOC-UCX/1\0"
 HELLO_TAG = 0x444953534F430001
 REPLY_TAG = 0x444953534F430002

@@ -3,34 +3,25 @@
 - ``tcp`` (:mod:`dissoc.transport.tcp`): the default, production data path; no extra dependencies.
 - ``mem`` (:mod:`dissoc.transport.inproc`): in-process, with fault injection, for tests.
 
-:func:`connect` and :func:`serve` dispatch on a URI scheme.
+:func:`connect` and :func:`serve` dispatch on a URI scheme (:mod:`dissoc.transport.registry`); ``ucx``
+(:mod:`dissoc.transport.ucx`) is imported on first use of its scheme.
 """
 
 from __future__ import annotations
 
+from dissoc.buffers import ALIGNMENT, DEFAULT_POOL, BufferPool, BytesLike, aligned_empty, default_allocator
 from dissoc.transport.base import (
-    ALIGNMENT,
     DEFAULT_MAX_BUFFERED_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
-    DEFAULT_POOL,
     TAG_MASK_ALL,
     Allocator,
     BufferLimitError,
-    BufferPool,
-    BytesLike,
     Connection,
     FrameError,
     Handler,
     Listener,
     MessageTooLargeError,
     SendData,
-    TaggedMessage,
-    aligned_empty,
-    connect,
-    default_allocator,
-    register_transport,
-    registered_schemes,
-    serve,
 )
 from dissoc.transport.inproc import (
     Faults,
@@ -41,6 +32,8 @@ from dissoc.transport.inproc import (
     memory_pair,
     serve_memory,
 )
+from dissoc.transport.message import TaggedMessage
+from dissoc.transport.registry import connect, register_transport, registered_schemes, serve
 from dissoc.transport.tcp import TcpConnection, TcpListener, connect_tcp, serve_tcp
 
 __all__ = [

@@ -13,8 +13,10 @@ messages carrying a little-endian u64 tag. :class:`Connection` offers exactly th
   is allocated) and ``max_buffered_bytes`` (received messages nobody has claimed yet; past it the reader stops
   reading, so the sender is throttled by the transport's own flow control).
 
-Implementations share the inbox logic below and only move bytes: see :mod:`dissoc.transport.tcp` and
-:mod:`dissoc.transport.inproc`. A small registry maps URI schemes to ``connect``/``serve`` functions.
+Implementations share the inbox logic of :class:`Connection` (built on :mod:`dissoc.transport._inbox`) and
+only move bytes: see :mod:`dissoc.transport.tcp`, :mod:`dissoc.transport.inproc` and
+:mod:`dissoc.transport.ucx`; :func:`check_u64`, :func:`as_views` and :func:`fresh_error` are helpers for them.
+:mod:`dissoc.transport.registry` maps URI schemes to their ``connect``/``serve`` functions.
 """
 
 from __future__ import annotations
@@ -22,40 +24,23 @@ from __future__ import annotations
 import abc
 import asyncio
 import copy
-import importlib
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple, Self, TypeAlias
+from typing import Self, TypeAlias
 
-from dissoc.buffers import (
-    ALIGNMENT,
-    DEFAULT_POOL,
-    BufferPool,
-    BytesLike,
-    aligned_empty,
-    buffer_nbytes,
-    byte_view,
-    default_allocator,
-    device_nbytes,
-)
+from dissoc.buffers import BytesLike, byte_view, default_allocator, device_nbytes
 from dissoc.errors import DissocError, ProtocolError, ResourceError, TransportError
-
-if TYPE_CHECKING:
-    pass
+from dissoc.transport._inbox import Held, TaggedStore, TagWaiters
+from dissoc.transport.message import TaggedMessage
 
 __all__ = [
-    "ALIGNMENT",
     "DEFAULT_MAX_BUFFERED_BYTES",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "TAG_MASK_ALL",
     "Allocator",
-    "DEFAULT_POOL",
     "BufferLimitError",
-    "BufferPool",
-    "BytesLike",
     "Connection",
     "FrameError",
     "Handler",
@@ -63,12 +48,9 @@ __all__ = [
     "MessageTooLargeError",
     "SendData",
     "TaggedMessage",
-    "aligned_empty",
-    "connect",
-    "default_allocator",
-    "register_transport",
-    "registered_schemes",
-    "serve",
+    "as_views",
+    "check_u64",
+    "fresh_error",
 ]
 
 logger = logging.getLogger(__name__)
@@ -101,28 +83,13 @@ class BufferLimitError(TransportError, ResourceError):
     """Unclaimed received messages exceeded the buffer budget while a consumer waited for another one."""
 
 
-class TaggedMessage(NamedTuple):
-    """A received tagged message: its full u64 tag and its payload (the buffer the allocator returned)."""
-
-    tag: int
-    payload: BytesLike
-
-    def view(self) -> memoryview:
-        """A flat byte view of the payload (no copy); TypeError for a payload in device memory."""
-        return byte_view(self.payload)
-
-    @property
-    def nbytes(self) -> int:
-        """The payload's length in bytes (host or device memory)."""
-        return buffer_nbytes(self.payload)
-
-
-def _check_u64(value: int, what: str) -> None:
+def check_u64(value: int, what: str) -> None:
+    """ValueError unless ``value`` (named ``what`` in the message) is an unsigned 64-bit integer."""
     if not 0 <= value <= _U64_MAX:
         raise ValueError(f"{what} must be an unsigned 64-bit integer, got {value!r}")
 
 
-def _as_views(data: SendData) -> tuple[list[memoryview], int]:
+def as_views(data: SendData) -> tuple[list[memoryview], int]:
     """Byte views over ``data`` (one buffer, or a list/tuple of them) and their total length; no copies."""
     items: Sequence[BytesLike] = data if isinstance(data, (list, tuple)) else (data,)
     views: list[memoryview] = []
@@ -136,197 +103,11 @@ def _as_views(data: SendData) -> tuple[list[memoryview], int]:
     return views, total
 
 
-def _fresh(exc: DissocError) -> DissocError:
+def fresh_error(exc: DissocError) -> DissocError:
     """A copy of a stored error, so each raise gets its own traceback."""
     new = copy.copy(exc)
     new.__traceback__ = None
     return new
-
-
-class _Held:
-    __slots__ = ("message", "nbytes", "order", "taken")
-
-    def __init__(self, message: TaggedMessage, nbytes: int, order: int = 0) -> None:
-        self.message = message
-        self.nbytes = nbytes
-        self.order = order
-        self.taken = False
-
-
-class _TaggedStore:
-    """Held tagged messages, in arrival order, found by (tag, mask) in O(1).
-
-    One index per mask that consumers have used (built on first use, then kept up to date on arrival). A
-    message taken through one index leaves a stale entry in the others; an index with too many is dropped and
-    rebuilt when next used.
-    """
-
-    _MAX_INDEXES = 8
-
-    def __init__(self) -> None:
-        self._live: dict[int, _Held] = {}
-        self._next = 0
-        self._first = 0
-        self._indexes: dict[int, dict[int, deque[_Held]]] = {}
-        self._stale: dict[int, int] = {}
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def add(self, message: TaggedMessage, nbytes: int, *, front: bool = False) -> None:
-        """Hold a message: at the back (arrival), or at the front (given back by a cancelled consumer)."""
-        if front:
-            self._first -= 1
-            held = _Held(message, nbytes, self._first)
-        else:
-            self._next += 1
-            held = _Held(message, nbytes, self._next)
-        self._live[id(held)] = held
-        tag = message.tag
-        for mask, index in self._indexes.items():
-            queue = index.get(tag & mask)
-            if queue is None:
-                index[tag & mask] = deque((held,))
-            elif front:
-                queue.appendleft(held)
-            else:
-                queue.append(held)
-
-    def _index(self, mask: int) -> dict[int, deque[_Held]]:
-        index = self._indexes.get(mask)
-        if index is None:
-            if len(self._indexes) >= self._MAX_INDEXES:
-                oldest = next(iter(self._indexes))
-                del self._indexes[oldest]
-                del self._stale[oldest]
-            index = {}
-            for held in sorted(self._live.values(), key=lambda h: h.order):
-                key = held.message.tag & mask
-                queue = index.get(key)
-                if queue is None:
-                    index[key] = deque((held,))
-                else:
-                    queue.append(held)
-            self._indexes[mask] = index
-            self._stale[mask] = 0
-        return index
-
-    def take(self, tag: int, mask: int) -> _Held | None:
-        """Remove and return the oldest held message matching ``tag`` under ``mask``, or None."""
-        if not self._live:
-            return None
-        index = self._index(mask)
-        key = tag & mask
-        queue = index.get(key)
-        if queue is None:
-            return None
-        found: _Held | None = None
-        while queue:
-            held = queue.popleft()
-            if held.taken:
-                self._stale[mask] -= 1
-                continue
-            found = held
-            break
-        if not queue:
-            del index[key]
-        if found is None:
-            return None
-        found.taken = True
-        del self._live[id(found)]
-        if not self._live:
-            self._indexes.clear()
-            self._stale.clear()
-            return found
-        limit = len(self._live) + 64
-        for other in list(self._indexes):
-            if other != mask:
-                self._stale[other] += 1
-                if self._stale[other] > limit:
-                    del self._indexes[other]
-                    del self._stale[other]
-        return found
-
-    def clear(self) -> None:
-        self._live.clear()
-        self._indexes.clear()
-        self._stale.clear()
-
-
-class _Waiter:
-    __slots__ = ("future", "mask", "order", "tag")
-
-    def __init__(self, tag: int, mask: int, order: int, future: asyncio.Future[_Held]) -> None:
-        self.tag = tag
-        self.mask = mask
-        self.order = order
-        self.future = future
-
-
-class _TagWaiters:
-    """Consumers blocked in ``recv_tagged``, indexed by mask then masked tag; the earliest match wins."""
-
-    def __init__(self) -> None:
-        self._by_mask: dict[int, dict[int, deque[_Waiter]]] = {}
-        self._order = 0
-
-    def add(self, tag: int, mask: int, future: asyncio.Future[_Held]) -> _Waiter:
-        self._order += 1
-        waiter = _Waiter(tag, mask, self._order, future)
-        index = self._by_mask.setdefault(mask, {})
-        index.setdefault(tag & mask, deque()).append(waiter)
-        return waiter
-
-    def discard(self, waiter: _Waiter) -> None:
-        index = self._by_mask.get(waiter.mask)
-        if index is None:
-            return
-        key = waiter.tag & waiter.mask
-        queue = index.get(key)
-        if queue is None:
-            return
-        try:
-            queue.remove(waiter)
-        except ValueError:
-            return
-        if not queue:
-            del index[key]
-            if not index:
-                del self._by_mask[waiter.mask]
-
-    def _first(self, tag: int) -> tuple[_Waiter, int, deque[_Waiter]] | None:
-        best: tuple[_Waiter, int, deque[_Waiter]] | None = None
-        for mask, index in self._by_mask.items():
-            queue = index.get(tag & mask)
-            if not queue:
-                continue
-            while queue and queue[0].future.done():
-                queue.popleft()
-            if queue and (best is None or queue[0].order < best[0].order):
-                best = (queue[0], mask, queue)
-        return best
-
-    def has_match(self, tag: int) -> bool:
-        return self._first(tag) is not None
-
-    def pop_match(self, tag: int) -> _Waiter | None:
-        best = self._first(tag)
-        if best is None:
-            return None
-        waiter, mask, queue = best
-        queue.popleft()
-        if not queue:
-            index = self._by_mask[mask]
-            del index[tag & mask]
-            if not index:
-                del self._by_mask[mask]
-        return waiter
-
-    def all(self) -> list[_Waiter]:
-        return [w for index in self._by_mask.values() for queue in index.values() for w in queue]
-
-    def clear(self) -> None:
-        self._by_mask.clear()
 
 
 class Connection(abc.ABC):
@@ -357,8 +138,8 @@ class Connection(abc.ABC):
         self._description = description or type(self).__name__
         self._untagged: deque[bytes | memoryview] = deque()
         self._untagged_waiters: deque[asyncio.Future[bytes | memoryview]] = deque()
-        self._held = _TaggedStore()
-        self._tag_waiters = _TagWaiters()
+        self._held = TaggedStore()
+        self._tag_waiters = TagWaiters()
         self._buffered = 0
         self._blocked = 0
         self._paused_by_owner = False
@@ -406,15 +187,15 @@ class Connection(abc.ABC):
 
         Returns once the bytes are handed to the transport; the buffers may be reused afterwards.
         """
-        views, total = _as_views(data)
+        views, total = as_views(data)
         if self._closed:
             raise self._closed_error("cannot send an untagged message")
         await self._send_frame(False, 0, views, total)
 
     async def send_tagged(self, tag: int, data: SendData) -> None:
         """Send one tagged message with the u64 ``tag``; ``data`` as for :meth:`send`."""
-        _check_u64(tag, "tag")
-        views, total = _as_views(data)
+        check_u64(tag, "tag")
+        views, total = as_views(data)
         if self._closed:
             raise self._closed_error(f"cannot send a tagged message (tag {tag:#018x})")
         await self._send_frame(True, tag, views, total)
@@ -439,7 +220,7 @@ class Connection(abc.ABC):
             self._on_flow()
             return message
         if self._error is not None:
-            raise _fresh(self._error)
+            raise fresh_error(self._error)
         future: asyncio.Future[bytes | memoryview] = asyncio.get_running_loop().create_future()
         self._untagged_waiters.append(future)
         self._blocked += 1
@@ -461,16 +242,16 @@ class Connection(abc.ABC):
         Several consumers may wait at once, with different tags or masks; a message goes to the one that has
         waited longest among those it matches, or is held until someone asks for it.
         """
-        _check_u64(tag, "tag")
-        _check_u64(mask, "mask")
+        check_u64(tag, "tag")
+        check_u64(mask, "mask")
         held = self._held.take(tag, mask)
         if held is not None:
             self._buffered -= held.nbytes
             self._on_flow()
             return held.message
         if self._error is not None:
-            raise _fresh(self._error)
-        future: asyncio.Future[_Held] = asyncio.get_running_loop().create_future()
+            raise fresh_error(self._error)
+        future: asyncio.Future[Held] = asyncio.get_running_loop().create_future()
         waiter = self._tag_waiters.add(tag, mask, future)
         self._blocked += 1
         self._on_flow()
@@ -621,7 +402,7 @@ class Connection(abc.ABC):
 
     def _deliver_tagged(self, tag: int, payload: BytesLike, nbytes: int) -> None:
         """Hand a received tagged message to the consumer that waited longest for it, or hold it."""
-        held = _Held(TaggedMessage(tag, payload), nbytes)
+        held = Held(TaggedMessage(tag, payload), nbytes)
         waiter = self._tag_waiters.pop_match(tag)
         if waiter is not None:
             waiter.future.set_result(held)
@@ -640,7 +421,7 @@ class Connection(abc.ABC):
         self._untagged.appendleft(message)
         self._buffered += len(message)
 
-    def _give_back_tagged(self, held: _Held) -> None:
+    def _give_back_tagged(self, held: Held) -> None:
         """As :meth:`_give_back_untagged`, for a tagged message."""
         waiter = self._tag_waiters.pop_match(held.message.tag)
         if waiter is not None:
@@ -659,10 +440,10 @@ class Connection(abc.ABC):
         while self._untagged_waiters:
             future = self._untagged_waiters.popleft()
             if not future.done():
-                future.set_exception(_fresh(error))
+                future.set_exception(fresh_error(error))
         for waiter in self._tag_waiters.all():
             if not waiter.future.done():
-                waiter.future.set_exception(_fresh(error))
+                waiter.future.set_exception(fresh_error(error))
         self._tag_waiters.clear()
         if drop_held:
             self._untagged.clear()
@@ -769,56 +550,3 @@ class Listener(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.address}{'' if self.is_serving else ' closed'}>"
-
-
-# ------------------------------------------------------------------------------------------------- registry
-
-ConnectFunction: TypeAlias = "Callable[..., Awaitable[Connection]]"
-ServeFunction: TypeAlias = "Callable[..., Awaitable[Listener]]"
-
-
-@dataclass(frozen=True)
-class _Entry:
-    connect: ConnectFunction
-    serve: ServeFunction
-
-
-_REGISTRY: dict[str, _Entry] = {}
-_LAZY: dict[str, str] = {"ucx": "dissoc.transport.ucx"}
-
-
-def register_transport(scheme: str, connect: ConnectFunction, serve: ServeFunction) -> None:
-    """Register ``connect(host, port, **options)`` and ``serve(host, port, handler, **options)``."""
-    _REGISTRY[scheme.lower()] = _Entry(connect, serve)
-
-
-def registered_schemes() -> list[str]:
-    """The schemes with a loaded transport."""
-    return sorted(_REGISTRY)
-
-
-def _entry(scheme: str) -> _Entry:
-    key = scheme.lower()
-    entry = _REGISTRY.get(key)
-    if entry is None and key in _LAZY:
-        try:
-            importlib.import_module(_LAZY[key])
-        except ImportError as exc:
-            raise TransportError(
-                f"the {key!r} transport is not available ({exc}); install the extra that provides it, "
-                f"e.g. pip install 'dissoc[{key}]'"
-            ) from exc
-        entry = _REGISTRY.get(key)
-    if entry is None:
-        raise TransportError(f"unknown transport scheme {scheme!r}; expected one of {registered_schemes()}")
-    return entry
-
-
-async def connect(scheme: str, host: str, port: int, **options: Any) -> Connection:
-    """Connect with the transport registered for ``scheme`` (``tcp``, ``mem``, ...)."""
-    return await _entry(scheme).connect(host, port, **options)
-
-
-async def serve(scheme: str, host: str, port: int, handler: Handler, **options: Any) -> Listener:
-    """Listen with the transport registered for ``scheme``; ``handler`` runs once per accepted connection."""
-    return await _entry(scheme).serve(host, port, handler, **options)

@@ -32,9 +32,9 @@ from dissoc.transport.base import (
     Handler,
     Listener,
     MessageTooLargeError,
-    _fresh,
-    register_transport,
+    fresh_error,
 )
+from dissoc.transport.registry import register_transport
 
 __all__ = [
     "FaultStats",
@@ -148,7 +148,7 @@ class _Channel:
         rx = self.receiver
         faults = self.faults
         if self.broken is not None:
-            raise _fresh(self.broken)
+            raise fresh_error(self.broken)
         what = f"tagged message {tag:#018x}" if tagged else "untagged message"
         if total > rx.max_message_bytes:
             rx._teardown(
@@ -168,12 +168,12 @@ class _Channel:
             self.stats.cut = True
             logger.debug("%s: cutting the connection %s", self.sender.description, reason)
             self.sender._cut(reason)
-            raise _fresh(self.broken or TransportError(f"connection cut {reason}"))
+            raise fresh_error(self.broken or TransportError(f"connection cut {reason}"))
         self.stats.messages += 1
         self.stats.bytes += total
         while True:
             if self.broken is not None:
-                raise _fresh(self.broken)
+                raise fresh_error(self.broken)
             try:
                 admitted = rx._admit(tagged, tag, total, self.inflight)
             except BufferLimitError as exc:

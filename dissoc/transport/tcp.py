@@ -21,11 +21,11 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from dissoc.buffers import DEFAULT_POOL
 from dissoc.errors import DissocError, TransportError
 from dissoc.transport.base import (
     DEFAULT_MAX_BUFFERED_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
-    DEFAULT_POOL,
     Allocator,
     Connection,
     FrameError,
@@ -33,11 +33,11 @@ from dissoc.transport.base import (
     Listener,
     MessageTooLargeError,
     SendData,
-    _as_views,
-    _check_u64,
-    _fresh,
-    register_transport,
+    as_views,
+    check_u64,
+    fresh_error,
 )
+from dissoc.transport.registry import register_transport
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -205,7 +205,7 @@ class TcpConnection(Connection):
             if self._closed:
                 raise self._closed_error("cannot send")
             if self._send_error is not None:
-                raise _fresh(self._send_error)
+                raise fresh_error(self._send_error)
             await self._send_all(pieces, total)
         finally:
             self._release_send()
@@ -216,8 +216,8 @@ class TcpConnection(Connection):
         total = 0
         for tag, data in messages:
             if tag is not None:
-                _check_u64(tag, "tag")
-            views, size = _as_views(data)
+                check_u64(tag, "tag")
+            views, size = as_views(data)
             pieces.append(
                 memoryview(_HEADER.pack(KIND_UNTAGGED if tag is None else KIND_TAGGED, tag or 0, size))
             )
@@ -279,7 +279,7 @@ class TcpConnection(Connection):
                     f"{self._description}: sending failed after {done} of {total} bytes of a frame: {exc}"
                 )
                 logger.debug("%s", self._send_error)
-                raise _fresh(self._send_error) from exc
+                raise fresh_error(self._send_error) from exc
             done += sent
             while first < count:
                 size = len(pieces[first])

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dissoc.buffers import BufferPool
 from dissoc.errors import ResourceError, TransportError
 from dissoc.transport import (
     ALIGNMENT,
@@ -21,7 +22,6 @@ from dissoc.transport import (
     aligned_empty,
     default_allocator,
 )
-from dissoc.transport.base import BufferPool
 
 from .conftest import make_pair
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dissoc.transport.base import TaggedMessage, _TaggedStore
+from dissoc.transport._inbox import TaggedStore
+from dissoc.transport.base import TaggedMessage
 
 MASKS = [0xFFFF_FFFF_FFFF_FFFF, 0x0000_0000_FFFF_FFFF, 0xFF00_0000_0000_0000, 0, 0x3, 0x1, 0x2, 0x5, 0x6, 0x7]
 TAGS = st.sampled_from([0, 1, 2, 3, 5, 1 << 56 | 1, 1 << 56 | 2, 2 << 56 | 1, 0xFFFF_FFFF_FFFF_FFFF])
@@ -21,7 +22,7 @@ OPERATIONS = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(OPERATIONS)
 def test_store_matches_a_linear_scan(operations: list[tuple[str, int, object]]) -> None:
-    store = _TaggedStore()
+    store = TaggedStore()
     model: list[TaggedMessage] = []
     serial = 0
     for operation, tag, extra in operations:

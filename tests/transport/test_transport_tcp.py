@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dissoc.buffers import DEFAULT_POOL
 from dissoc.errors import ProtocolError, ResourceError, TransportError
 from dissoc.transport import (
     BufferLimitError,
@@ -25,7 +26,6 @@ from dissoc.transport import (
     serve,
     serve_tcp,
 )
-from dissoc.transport import base as transport_base
 from dissoc.transport.tcp import HEADER_SIZE, decode_header, encode_header
 
 from .conftest import raw_peer, tcp_pair
@@ -164,13 +164,13 @@ async def test_corrupt_frames_fail_cleanly(data: bytes, match: str) -> None:
 @pytest.mark.parametrize("kind", [1, 2])
 async def test_oversized_length_is_rejected_before_allocation(kind: int, monkeypatch: Any) -> None:
     pool_calls: list[int] = []
-    real_allocate = transport_base.DEFAULT_POOL.allocate
+    real_allocate = DEFAULT_POOL.allocate
 
     def spy_pool(length: int) -> Any:
         pool_calls.append(length)
         return real_allocate(length)
 
-    monkeypatch.setattr(transport_base.DEFAULT_POOL, "allocate", spy_pool)
+    monkeypatch.setattr(DEFAULT_POOL, "allocate", spy_pool)
     async with raw_peer() as (conn, raw):
         allocations: list[int] = []
 

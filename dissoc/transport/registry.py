@@ -1,0 +1,67 @@
+"""The scheme registry: ``tcp``, ``mem``, ``ucx``, ... mapped to their ``connect``/``serve`` functions.
+
+Each transport module registers itself when imported (:func:`register_transport`); ``ucx`` is imported only
+when its scheme is first used, so that importing :mod:`dissoc` never imports ucxx.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from dissoc.errors import TransportError
+from dissoc.transport.base import Connection, Handler, Listener
+
+__all__ = ["ConnectFunction", "ServeFunction", "connect", "register_transport", "registered_schemes", "serve"]
+
+ConnectFunction: TypeAlias = "Callable[..., Awaitable[Connection]]"
+ServeFunction: TypeAlias = "Callable[..., Awaitable[Listener]]"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    connect: ConnectFunction
+    serve: ServeFunction
+
+
+_REGISTRY: dict[str, _Entry] = {}
+_LAZY: dict[str, str] = {"ucx": "dissoc.transport.ucx"}
+
+
+def register_transport(scheme: str, connect: ConnectFunction, serve: ServeFunction) -> None:
+    """Register ``connect(host, port, **options)`` and ``serve(host, port, handler, **options)``."""
+    _REGISTRY[scheme.lower()] = _Entry(connect, serve)
+
+
+def registered_schemes() -> list[str]:
+    """The schemes with a loaded transport."""
+    return sorted(_REGISTRY)
+
+
+def _entry(scheme: str) -> _Entry:
+    key = scheme.lower()
+    entry = _REGISTRY.get(key)
+    if entry is None and key in _LAZY:
+        try:
+            importlib.import_module(_LAZY[key])
+        except ImportError as exc:
+            raise TransportError(
+                f"the {key!r} transport is not available ({exc}); install the extra that provides it, "
+                f"e.g. pip install 'dissoc[{key}]'"
+            ) from exc
+        entry = _REGISTRY.get(key)
+    if entry is None:
+        raise TransportError(f"unknown transport scheme {scheme!r}; expected one of {registered_schemes()}")
+    return entry
+
+
+async def connect(scheme: str, host: str, port: int, **options: Any) -> Connection:
+    """Connect with the transport registered for ``scheme`` (``tcp``, ``mem``, ...)."""
+    return await _entry(scheme).connect(host, port, **options)
+
+
+async def serve(scheme: str, host: str, port: int, handler: Handler, **options: Any) -> Listener:
+    """Listen with the transport registered for ``scheme``; ``handler`` runs once per accepted connection."""
+    return await _entry(scheme).serve(host, port, handler, **options)

@@ -1,0 +1,609 @@
+"""A UCX connection (:class:`UcxConnection`) and the client side of its setup (:func:`connect_ucx`)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import logging
+import socket
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dissoc.buffers import BytesLike, device_nbytes
+from dissoc.errors import DissocError, TransportError
+from dissoc.transport._inbox import Waiter
+from dissoc.transport.base import (
+    DEFAULT_MAX_BUFFERED_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    TAG_MASK_ALL,
+    Allocator,
+    Connection,
+    MessageTooLargeError,
+    SendData,
+    as_views,
+    check_u64,
+)
+from dissoc.transport.ucx.driver import MAX_ROUNDS, Driver, Pending
+from dissoc.transport.ucx.handshake import (
+    BYE_TAG,
+    HELLO_TAG,
+    MAGIC,
+    MAX_HELLO,
+    REPLY_TAG,
+    parse_hello,
+    plausible_address,
+    recv_tagged,
+    send_am,
+    send_tagged,
+)
+from dissoc.transport.ucx.library import (
+    close_endpoint,
+    endpoint_alive,
+    ucx_array,
+    ucx_context,
+    ucx_mask,
+    ucx_tag,
+    ucxx_lib,
+)
+
+__all__ = ["PATHS", "UcxConnection", "connect_ucx"]
+
+logger = logging.getLogger(__name__)
+
+#: Connection paths (see the package docstring).
+PATHS = ("auto", "listener", "address")
+#: Untagged messages up to this size are handed out as ``bytes`` (larger ones as a memoryview, no copy).
+_SMALL_UNTAGGED = 64 * 1024
+#: Seconds a closing connection waits for its outstanding sends before it closes the endpoints.
+_CLOSE_WAIT = 2.0
+#: Seconds a closed connection keeps progressing its worker for the endpoint close exchange with the peer.
+_RELEASE_WAIT = 1.0
+
+
+class _TaggedRecv:
+    """A tagged receive UCX has started: its request, the message's tag and length, where it lands (the buffer
+    the allocator gave and a writable view of it), and the waiter it was taken for (its id, or 0)."""
+
+    __slots__ = ("buffer", "length", "request", "tag", "view", "waiter")
+
+    def __init__(
+        self, request: Any, tag: int, length: int, buffer: BytesLike, view: memoryview, waiter: int
+    ) -> None:
+        self.request = request
+        self.tag = tag
+        self.length = length
+        self.buffer = buffer
+        self.view = view
+        self.waiter = waiter
+
+
+class UcxConnection(Connection):
+    """A :class:`Connection` between two per-connection UCX workers (see the package docstring).
+
+    Get one from :func:`connect_ucx` or in a :func:`serve_ucx` handler. Tagged messages may be sent from
+    device memory, and the allocator may return device buffers (UCX's CUDA transports move them).
+    """
+
+    device_memory = True
+
+    def __init__(
+        self,
+        driver: Driver,
+        endpoint: Any,
+        bootstrap: Any,
+        bootstrap_driver: Driver,
+        *,
+        description: str,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+        allocator: Allocator | None = None,
+    ) -> None:
+        super().__init__(
+            max_message_bytes=max_message_bytes,
+            max_buffered_bytes=max_buffered_bytes,
+            allocator=allocator,
+            description=description,
+        )
+        self._loop = driver.loop
+        self._driver = driver
+        self._worker = driver.worker
+        self._ep = endpoint
+        self._bootstrap: Any = bootstrap
+        self._bootstrap_driver = bootstrap_driver
+        self._am_queue: deque[Any] = deque()
+        self._tagged: list[_TaggedRecv] = []
+        self._inflight = 0
+        self._claimed: dict[int, int] = {}
+        self._peer_gone = False
+        self._closing = False
+        self._release_task: asyncio.Task[None] | None = None
+        driver.on_progress = self._on_progress
+        driver.on_error = self._teardown
+        driver.busy = self._busy
+        driver.held = lambda: self._paused_by_owner and not self._closing and not self._closed
+        try:
+            bootstrap.set_close_callback(self._on_bootstrap_closed)
+        except Exception as exc:
+            raise TransportError(f"{description}: cannot watch the peer: {exc}") from exc
+        if not bootstrap.alive:
+            self._loop.call_soon(self._on_peer_gone)
+        driver.kick()
+        logger.debug("%s open", description)
+
+    # ------------------------------------------------------------------------------------------------ sending
+
+    def _post(self, tagged: bool, tag: int, views: list[Any], total: int) -> tuple[Any, object, str]:
+        """Post one message to UCX; returns the request, what it must keep alive, and a description.
+
+        ``views`` are byte views, or one device buffer (``__cuda_array_interface__``), sent from where it is
+        (a device buffer's type is whatever array library made it, hence ``Any``).
+        """
+        if len(views) == 1:
+            data: Any = views[0]
+        else:
+            data = np.empty(total, dtype=np.uint8)
+            offset = 0
+            for view in views:
+                data[offset : offset + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
+                offset += view.nbytes
+        what = f"sending tagged message {tag:#018x}" if tagged else "sending an untagged message"
+        if self._closed or self._closing:
+            raise self._closed_error(what)
+        try:
+            array = ucx_array(data)
+            request = self._ep.tag_send(array, ucx_tag(tag)) if tagged else self._ep.am_send(array)
+        except Exception as exc:
+            raise TransportError(f"{self._description}: {what} failed: {exc}") from exc
+        return request, (array, data), what
+
+    async def _send_frame(self, tagged: bool, tag: int, views: list[memoryview], total: int) -> None:
+        request, keep, what = self._post(tagged, tag, views, total)
+        await self._driver.wait(request, keep, what)
+
+    async def send_tagged(self, tag: int, data: SendData) -> None:
+        """Send one tagged message (host buffers, or one device buffer sent from device memory)."""
+        await self.send_many([(tag, data)])
+
+    async def send_many(self, messages: Sequence[tuple[int | None, SendData]]) -> None:
+        """Post every message at once, in order, then wait for them all (see :meth:`Connection.send_many`)."""
+        prepared: list[tuple[bool, int, list[Any], int]] = []
+        for tag, data in messages:
+            if tag is not None:
+                check_u64(tag, "tag")
+            device = _device_item(data)
+            if device is not None:
+                prepared.append((tag is not None, tag or 0, [device[0]], device[1]))
+                continue
+            views, total = as_views(data)
+            prepared.append((tag is not None, tag or 0, views, total))
+        posted = [self._post(tagged, tag, views, total) for tagged, tag, views, total in prepared]
+        for request, keep, what in posted:
+            await self._driver.wait(request, keep, what)
+
+    # ---------------------------------------------------------------------------------------------- receiving
+
+    def _busy(self) -> bool:
+        return bool(self._tagged or self._am_queue or self._blocked)
+
+    def _on_flow(self) -> None:
+        self._driver.kick()
+
+    def _on_progress(self) -> bool:
+        if self._closed:
+            return False
+        activity = self._finish_tagged()
+        activity = self._pump_untagged() or activity
+        activity = self._pump_tagged() or activity
+        return activity
+
+    def _finish_tagged(self) -> bool:
+        if not self._tagged:
+            return False
+        done = [r for r in self._tagged if r.request.completed]
+        if not done:
+            return False
+        self._tagged = [r for r in self._tagged if not r.request.completed]
+        for item in done:
+            self._inflight -= item.length
+            self._release_claim(item.waiter)
+            try:
+                item.request.check_error()
+            except Exception as exc:
+                self._teardown(
+                    TransportError(
+                        f"{self._description}: receiving tagged message {item.tag:#018x} failed: {exc}"
+                    )
+                )
+                return True
+            self._deliver_tagged(item.tag, item.buffer, item.length)
+        return True
+
+    def _release_claim(self, waiter: int) -> None:
+        if waiter:
+            left = self._claimed.get(waiter, 0) - 1
+            if left > 0:
+                self._claimed[waiter] = left
+            else:
+                self._claimed.pop(waiter, None)
+
+    def _pump_untagged(self, force: bool = False) -> bool:
+        """Deliver completed active messages in order; keep one receive posted while reading is admitted.
+
+        (ucxx's ``am_probe`` stays true once a message was seen from the endpoint, so it cannot tell whether
+        another one is waiting; a posted ``am_recv`` completes as soon as one is there.)
+        """
+        activity = False
+        queue = self._am_queue
+        while not self._closed:
+            if queue:
+                request = queue[0]
+                if not request.completed:
+                    break
+                queue.popleft()
+                activity = True
+                self._finish_untagged(request)
+                continue
+            if not (force or self._may_take(0, any(not f.done() for f in self._untagged_waiters))):
+                break
+            try:
+                queue.append(self._ep.am_recv())
+            except Exception as exc:
+                self._teardown(
+                    TransportError(f"{self._description}: receiving an untagged message failed: {exc}")
+                )
+                return True
+            if not queue[0].completed:
+                break
+        return activity
+
+    def _finish_untagged(self, request: Any) -> None:
+        try:
+            request.check_error()
+            buffer = request.recv_buffer
+        except Exception as exc:
+            self._teardown(
+                TransportError(f"{self._description}: receiving an untagged message failed: {exc}")
+            )
+            return
+        if buffer is None:
+            message: bytes | memoryview = b""
+        else:
+            view = buffer.data if isinstance(buffer, np.ndarray) else memoryview(buffer)
+            if view.ndim != 1 or view.format != "B":
+                view = view.cast("B")
+            if view.nbytes > self._max_message_bytes:
+                self._teardown(
+                    MessageTooLargeError(
+                        f"{self._description}: the peer sent an untagged message of {view.nbytes} bytes; "
+                        f"the limit (max_message_bytes) is {self._max_message_bytes}"
+                    )
+                )
+                return
+            message = bytes(view) if view.nbytes <= _SMALL_UNTAGGED else view
+        self._deliver_untagged(message)
+
+    def _may_take(self, length: int, wanted: bool) -> bool:
+        """May a message of ``length`` bytes be taken from UCX now (``wanted``: a consumer waits for it)?
+
+        Unlike a byte stream, UCX keeps messages nobody took, so nothing forces taking unclaimed ones when
+        consumers wait for others (no deadlock, no :class:`BufferLimitError`): they stay in UCX past the
+        budget. ``pause_reading`` holds back even the wanted ones.
+        """
+        if self._paused_by_owner:
+            return False
+        if wanted:
+            return True
+        used = self._buffered + self._inflight
+        return used == 0 or used + length <= self._max_buffered_bytes
+
+    def _pump_tagged(self, force: bool = False) -> bool:
+        activity = False
+        waiters = self._tag_waiters.all()
+        if waiters:
+            waiters.sort(key=lambda w: w.order)
+            for waiter in waiters:
+                if waiter.future.done() or id(waiter) in self._claimed:
+                    continue
+                if self._closed:
+                    return activity
+                activity = self._probe(waiter.tag, waiter.mask, waiter, force) or activity
+        while not self._closed and self._probe(0, 0, None, force):
+            activity = True
+        return activity
+
+    def _probe(self, tag: int, mask: int, waiter: Waiter | None, force: bool) -> bool:
+        """Receive the oldest message matching ``tag``/``mask`` if there is one and it may be taken now."""
+        worker = self._worker
+        probe = worker.tag_probe(ucx_tag(tag), ucx_mask(mask), False)
+        if not probe.matched:
+            return False
+        found = int(probe.sender_tag.value)
+        length = int(probe.length)
+        if found == BYE_TAG:
+            self._take_bye(length)
+            return True
+        if length > self._max_message_bytes:
+            self._teardown(
+                MessageTooLargeError(
+                    f"{self._description}: the peer sent tagged message {found:#018x} of {length} bytes; "
+                    f"the limit (max_message_bytes) is {self._max_message_bytes}"
+                )
+            )
+            return True
+        if not force and not self._may_take(length, waiter is not None):
+            return False
+        buffer, view = self._allocate(found, length)
+        probe = worker.tag_probe(ucx_tag(found), ucx_mask(TAG_MASK_ALL), True)
+        if not probe.matched:  # cannot happen: the message matched a moment ago
+            return False
+        request = worker.tag_recv_with_handle(ucx_array(view), probe)
+        key = id(waiter) if waiter is not None else 0
+        if key:
+            self._claimed[key] = self._claimed.get(key, 0) + 1
+        self._inflight += length
+        self._tagged.append(_TaggedRecv(request, found, length, buffer, view, key))
+        return True
+
+    # ------------------------------------------------------------------------------------------------ closing
+
+    def _take_bye(self, length: int) -> None:
+        """The peer announced that it closes: consume the notice, then drain and fail like a lost peer."""
+        probe = self._worker.tag_probe(ucx_tag(BYE_TAG), ucx_mask(TAG_MASK_ALL), True)
+        if probe.matched:
+            sink = bytearray(max(1, min(length, MAX_HELLO)))
+            with contextlib.suppress(Exception):
+                self._driver.pending.append(
+                    Pending(self._worker.tag_recv_with_handle(ucx_array(sink), probe), sink, None)
+                )
+        if not self._closed and not self._closing:
+            self._loop.call_soon(self._on_peer_gone)
+
+    def _send_bye(self) -> asyncio.Future[None] | None:
+        """Tell the peer this side closes (it may not learn it otherwise on the address path)."""
+        if self._ep is None or self._peer_gone:
+            return None
+        try:
+            data = MAGIC
+            array = ucx_array(data)
+            request = self._ep.tag_send(array, ucx_tag(BYE_TAG))
+        except Exception:
+            return None
+        future: asyncio.Future[None] = self._loop.create_future()
+        self._driver.pending.append(Pending(request, (array, data), future))
+        self._driver.kick()
+        return future
+
+    def _on_bootstrap_closed(self, *args: object) -> None:
+        # Called from inside a worker's progress: act from the event loop instead.
+        del args
+        if not self._closed and not self._closing:
+            self._loop.call_soon(self._on_peer_gone)
+
+    def _on_peer_gone(self) -> None:
+        """The peer closed or died: take what already arrived on the data worker, then fail."""
+        if self._closed or self._closing or self._peer_gone:
+            return
+        self._peer_gone = True
+        logger.debug("%s: the peer went away", self._description)
+        try:
+            for _ in range(MAX_ROUNDS):
+                self._worker.progress()
+                self._driver.complete()
+                activity = self._finish_tagged()
+                if self._closed:
+                    return
+                activity = self._pump_untagged(force=True) or activity
+                activity = self._pump_tagged(force=True) or activity
+                if not activity and not self._tagged and not self._am_queue:
+                    break
+        except DissocError as exc:
+            self._teardown(exc)
+            return
+        except Exception as exc:
+            logger.debug("%s: draining after the peer went away failed: %s", self._description, exc)
+        self._teardown(TransportError(f"{self._description}: the peer closed the connection"))
+
+    def _teardown(self, exc: DissocError) -> None:
+        """Fail the inbox with ``exc``, then release the endpoints and the worker in the background."""
+        if self._closed:
+            return
+        self._closed = True
+        self._fail(exc)
+        if isinstance(exc, MessageTooLargeError):
+            logger.warning("%s", exc)
+        else:
+            logger.debug("%s torn down: %s", self._description, exc)
+        driver = self._driver
+        driver.on_progress = lambda: False
+        driver.fail_pending(TransportError(f"{self._description}: {exc}"))
+        with contextlib.suppress(Exception):
+            self._bootstrap.remove_close_callback()
+        # A receive UCX has started keeps writing into its buffer until it completes: hand each one to the
+        # driver, which keeps the buffer alive until then (dropping it here let UCX write into freed memory).
+        for item in self._tagged:
+            driver.pending.append(Pending(item.request, (item.buffer, item.view), None))
+        self._tagged.clear()
+        self._am_queue.clear()
+        self._claimed.clear()
+        self._release_task = self._loop.create_task(self._release())
+
+    async def _release(self) -> None:
+        """Close both endpoints, progressing the workers until the peer acknowledged (bounded), then let go.
+
+        A UCX endpoint close is a short exchange with the peer: the worker must keep being progressed for it
+        to complete (and for the peer to hear of it). After ``_RELEASE_WAIT`` seconds (a peer that is gone
+        never answers) the objects are dropped anyway; ucxx then force-closes what is left.
+        (``close()`` is never called on an endpoint UCX already failed: ucxx crashes on that.)
+        """
+        endpoints = [self._ep, self._bootstrap]
+        for endpoint in endpoints:
+            if endpoint_alive(endpoint):
+                with contextlib.suppress(Exception):
+                    endpoint.close()
+        driver = self._driver
+        driver.busy = lambda: True
+        deadline = self._loop.time() + _RELEASE_WAIT
+        try:
+            while self._loop.time() < deadline:
+                # The bootstrap endpoint (peer-failure handling on) reports the end of the exchange; a data
+                # endpoint without it stays "alive" until it is destroyed.
+                if not endpoint_alive(endpoints[1]):
+                    break
+                driver.kick()
+                if not self._bootstrap_driver.closed:
+                    self._bootstrap_driver.kick()
+                await asyncio.sleep(0.005)
+        finally:
+            driver.close()
+            self._ep = None
+            self._bootstrap = None
+
+    async def _close_transport(self) -> None:
+        if not self._closing and not self._closed:
+            self._closing = True
+            # Let outstanding sends complete first, so that what was sent before close() reaches the peer.
+            bye = self._send_bye()
+            pending = [p.future for p in self._driver.pending if p.future is not None and not p.future.done()]
+            if bye is not None:
+                pending.append(bye)
+            if pending and not self._peer_gone:
+                await asyncio.wait(pending, timeout=_CLOSE_WAIT)
+            self._teardown(self._error or TransportError(f"connection {self._description} was closed"))
+        task = self._release_task
+        if task is not None:
+            await asyncio.shield(task)
+
+
+def _device_item(data: SendData) -> tuple[Any, int] | None:
+    """(the device buffer, its size) when ``data`` is one device buffer (alone or in a one-item list)."""
+    item = data[0] if isinstance(data, (list, tuple)) and len(data) == 1 else data
+    size = device_nbytes(item)
+    if size is None:
+        if isinstance(data, (list, tuple)) and any(device_nbytes(d) is not None for d in data):
+            raise TransportError("a message in device memory must be one buffer (gather it on the device)")
+        return None
+    return item, size
+
+
+def _is_local_host(host: str) -> bool:
+    """Is ``host`` an address of this machine (so that UCX can use shared memory to reach it)?"""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((sockaddr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+async def connect_ucx(
+    host: str,
+    port: int,
+    *,
+    timeout: float | None = 10.0,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+    allocator: Allocator | None = None,
+    error_handling: bool = False,
+    worker: bytes | str | None = None,
+    path: str = "auto",
+) -> UcxConnection:
+    """Connect to a :func:`serve_ucx` listener; TransportError on failure or timeout.
+
+    ``worker`` is the listener worker's address (bytes, or the base64 text of the URI's ``worker`` parameter).
+    ``path`` picks how the connection is set up: ``"listener"`` through ``host:port`` (works across hosts),
+    ``"address"`` straight to ``worker`` (same host, no TCP connection), or ``"auto"``: the address path when
+    ``worker`` is known and ``host`` is an address of this machine, the listener path otherwise.
+    """
+    if path not in PATHS:
+        raise TransportError(f"ucx path: expected one of {', '.join(PATHS)}, got {path!r}")
+    if isinstance(worker, str):
+        try:
+            worker = base64.b64decode(worker.replace("-", "+").replace("_", "/"), validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise TransportError(f"ucx worker address: expected base64, got {worker[:40]!r}: {exc}") from exc
+    if path == "address" and not worker:
+        raise TransportError("ucx path 'address' needs the server's worker address (the URI's 'worker')")
+    if worker and not plausible_address(worker):
+        # UCX asserts (aborts the process) on an address format it does not know: check before handing it over
+        raise TransportError(
+            f"ucx://{host}:{port}: the URI's 'worker' is not a UCX worker address of this UCX version "
+            f"({len(worker)} bytes starting {worker[:8].hex()})"
+        )
+    use_address = bool(worker) and (path == "address" or (path == "auto" and _is_local_host(host)))
+    lib = ucxx_lib()
+    loop = asyncio.get_running_loop()
+    where = f"ucx://{host}:{port}" + (" (by worker address)" if use_address else "")
+    address = ""
+    if not use_address:
+        try:
+            infos = await loop.getaddrinfo(host, port, family=socket.AF_INET, type=socket.SOCK_STREAM)
+            address = str(infos[0][4][0])
+        except (OSError, IndexError) as exc:
+            raise TransportError(f"cannot connect to {where}: {exc}") from exc
+    description = f"ucx ->{host}:{port}" + ("(address)" if use_address else "")
+    try:
+        client_worker = lib.UCXWorker(ucx_context())
+    except Exception as exc:
+        raise TransportError(f"cannot connect to {where}: cannot create a UCX worker: {exc}") from exc
+    driver = Driver(client_worker, loop, description)
+    bootstrap: Any = None
+    try:
+        async with asyncio.timeout(timeout):
+            hello = MAGIC + bytes(client_worker.address.tobytes())
+            if use_address:
+                assert isinstance(worker, bytes)
+                try:
+                    bootstrap = client_worker.create_endpoint_from_worker_address(
+                        lib.UCXAddress.create_from_buffer(worker), True
+                    )
+                except Exception as exc:
+                    raise TransportError(f"cannot connect to {where}: {exc}") from exc
+                await send_tagged(driver, bootstrap, HELLO_TAG, hello, f"connecting to {where}")
+                reply = await recv_tagged(driver, REPLY_TAG, f"connecting to {where}")
+                server_address = parse_hello(reply, description)
+            else:
+                try:
+                    bootstrap = lib.UCXEndpoint.create(client_worker, address, port, True)
+                except Exception as exc:
+                    raise TransportError(f"cannot connect to {where}: {exc}") from exc
+                reply_request = bootstrap.am_recv()
+                await send_am(driver, bootstrap, hello, f"connecting to {where}")
+                await driver.wait(reply_request, None, f"connecting to {where}")
+                server_address = parse_hello(reply_request.recv_buffer, description)
+            try:
+                endpoint = client_worker.create_endpoint_from_worker_address(
+                    lib.UCXAddress.create_from_buffer(server_address), error_handling
+                )
+            except Exception as exc:
+                raise TransportError(f"cannot connect to {where}: {exc}") from exc
+            return UcxConnection(
+                driver,
+                endpoint,
+                bootstrap,
+                driver,
+                description=description,
+                max_message_bytes=max_message_bytes,
+                max_buffered_bytes=max_buffered_bytes,
+                allocator=allocator,
+            )
+    except TimeoutError as exc:
+        driver.close()
+        if bootstrap is not None:
+            close_endpoint(bootstrap)
+        raise TransportError(f"connecting to {where} timed out after {timeout} s") from exc
+    except BaseException:
+        driver.close()
+        if bootstrap is not None:
+            close_endpoint(bootstrap)
+        raise

@@ -1,0 +1,111 @@
+"""Access to ucxx: its low-level module, loaded on first use with the environment left as it was; the
+process's UCX context; small helpers around ucxx objects (see :mod:`dissoc.transport.ucx`, "Environment").
+
+ucxx ships no type information, so its objects are ``Any`` here and in the other modules of the package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from types import ModuleType
+from typing import Any
+
+from dissoc.buffers import BytesLike
+from dissoc.errors import TransportError
+
+__all__ = ["close_endpoint", "endpoint_alive", "ucx_array", "ucx_context", "ucx_mask", "ucx_tag", "ucxx_lib"]
+
+logger = logging.getLogger(__name__)
+
+_lib_module: ModuleType | None = None
+_context: Any = None
+
+
+def ucxx_lib() -> ModuleType:
+    """ucxx's low-level module, imported on first use (see the package docstring about the environment)."""
+    global _lib_module
+    if _lib_module is None:
+        before = dict(os.environ)
+        try:
+            import ucxx._lib.libucxx as libucxx
+        except ImportError as exc:
+            raise TransportError(
+                f"the 'ucx' transport needs ucxx (pip install 'dissoc[ucx]'): {exc}"
+            ) from exc
+        finally:
+            _restore_environment(before)
+        _lib_module = libucxx
+    return _lib_module
+
+
+#: What importing ucxx put into ``os.environ`` (then taken out again): UCX settings, without the prefix.
+_UCXX_SETTINGS: dict[str, str] = {}
+
+
+def _restore_environment(before: dict[str, str]) -> None:
+    """Undo what importing ucxx did to ``os.environ``, keeping its UCX choices for our contexts' config."""
+    for key in [k for k in os.environ if k not in before]:
+        value = os.environ.pop(key)
+        if key.startswith("UCX_"):
+            _UCXX_SETTINGS[key[4:]] = value
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
+def ucx_context() -> Any:
+    """The process's UCX context (tag matching, active messages, wake-up, RMA), created once."""
+    global _context
+    if _context is None:
+        lib = ucxx_lib()
+        features = (lib.Feature.TAG, lib.Feature.AM, lib.Feature.WAKEUP, lib.Feature.RMA)
+        # Without cma: UCX aborts a process whose cma read fails because the peer died mid-transfer (the data
+        # endpoints have no peer-failure handling); shared memory still carries the data. UCX_TLS overrides.
+        config = {} if "UCX_TLS" in os.environ else {"TLS": "^cma"}
+        # ucxx's own defaults (they were environment variables; UCX_* set by the user still win).
+        settings = {k: v for k, v in _UCXX_SETTINGS.items() if f"UCX_{k}" not in os.environ}
+        try:
+            _context = lib.UCXContext({**settings, **config}, features)
+        except Exception:
+            logger.debug("UCX context with ucxx's settings %s failed; without them", settings, exc_info=True)
+            try:
+                _context = lib.UCXContext(config, features)
+            except Exception as exc:
+                raise TransportError(f"cannot create a UCX context: {exc}") from exc
+    return _context
+
+
+def ucx_array(obj: BytesLike) -> Any:
+    """ucxx's view of a host or device buffer, as its send and receive calls take it (no copy)."""
+    from ucxx._lib.arr import Array
+
+    return Array(obj)
+
+
+def ucx_tag(value: int) -> Any:
+    """A UCX tag, as ucxx's tag calls take it."""
+    return ucxx_lib().UCXXTag(value)
+
+
+def ucx_mask(value: int) -> Any:
+    """A UCX tag mask, as ucxx's tag calls take it."""
+    return ucxx_lib().UCXXTagMask(value)
+
+
+def endpoint_alive(endpoint: Any) -> bool:
+    """Whether UCX still considers ``endpoint`` usable (False when asking fails)."""
+    try:
+        return bool(endpoint.alive)
+    except Exception:
+        return False
+
+
+def close_endpoint(endpoint: Any) -> None:
+    """Start closing an endpoint unless UCX already closed it (closing a failed ucxx endpoint crashes)."""
+    with contextlib.suppress(Exception):
+        endpoint.remove_close_callback()
+    if endpoint_alive(endpoint):
+        with contextlib.suppress(Exception):
+            endpoint.close()

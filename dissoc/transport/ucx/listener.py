@@ -1,0 +1,280 @@
+"""The UCX server side: :class:`UcxListener` (it accepts on both connection paths) and :func:`serve_ucx`."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypedDict
+
+from dissoc.errors import TransportError
+from dissoc.transport.base import (
+    DEFAULT_MAX_BUFFERED_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    TAG_MASK_ALL,
+    Allocator,
+    Handler,
+    Listener,
+)
+from dissoc.transport.ucx.connection import UcxConnection
+from dissoc.transport.ucx.driver import Driver
+from dissoc.transport.ucx.handshake import (
+    HELLO_TAG,
+    MAGIC,
+    MAX_HELLO,
+    REPLY_TAG,
+    parse_hello,
+    recv_am,
+    send_am,
+    send_tagged,
+)
+from dissoc.transport.ucx.library import close_endpoint, ucx_array, ucx_context, ucx_mask, ucx_tag, ucxx_lib
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = ["UcxListener", "serve_ucx"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Limits(TypedDict):
+    """The limits and allocator every accepted connection gets (:func:`serve_ucx`'s arguments)."""
+
+    max_message_bytes: int
+    max_buffered_bytes: int
+    allocator: Allocator | None
+
+
+class UcxListener(Listener):
+    """A UCX listener; each accepted connection gets its own worker (see the package docstring)."""
+
+    scheme = "ucx"
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: Handler,
+        *,
+        handshake_timeout: float | None,
+        error_handling: bool,
+        limits: _Limits,
+    ) -> None:
+        super().__init__(handler)
+        lib = ucxx_lib()
+        self._loop = asyncio.get_running_loop()
+        self._lib = lib
+        self._limits = limits
+        self._handshake_timeout = handshake_timeout
+        self._error_handling = error_handling
+        self._count = itertools.count(1)
+        self._handshakes: set[asyncio.Task[None]] = set()
+        try:
+            worker = lib.UCXWorker(ucx_context())
+        except Exception as exc:
+            raise TransportError(f"cannot create a UCX worker: {exc}") from exc
+        self._driver = Driver(worker, self._loop, f"ucx listener :{port}")
+        try:
+            self._listener: Any = lib.UCXListener.create(worker, port, self._on_request, (), None, False)
+        except Exception as exc:
+            self._driver.close()
+            raise TransportError(f"cannot listen on ucx://{host}:{port}: {exc}") from exc
+        self._port = int(self._listener.port)
+        self._host = host or str(self._listener.ip)
+        self._driver.description = f"ucx listener {self.address}"
+        self._worker_address = bytes(worker.address.tobytes())
+        self._hellos: list[tuple[Any, bytearray]] = []
+        self._driver.on_progress = self._poll_hellos
+        self._driver.busy = lambda: bool(self._hellos)
+        self._driver.kick()
+        logger.debug("listening on %s", self.address)
+
+    @property
+    def host(self) -> str:
+        """The host asked for (UCX listens on every interface)."""
+        return self._host
+
+    @property
+    def port(self) -> int:
+        """The bound port."""
+        return self._port
+
+    def uri_params(self) -> dict[str, str]:
+        """``worker``: the listener worker's address (base64), for the same-host path."""
+        return {"worker": base64.b64encode(self._worker_address).decode("ascii")}
+
+    def _poll_hellos(self) -> bool:
+        """Take handshakes of clients connecting by worker address (tagged ``HELLO_TAG`` on this worker)."""
+        activity = False
+        if self._hellos:
+            done = [h for h in self._hellos if h[0].completed]
+            if done:
+                activity = True
+                self._hellos = [h for h in self._hellos if not h[0].completed]
+                for request, buffer in done:
+                    try:
+                        request.check_error()
+                    except Exception as exc:
+                        logger.info("%s: receiving a handshake failed: %s", self.address, exc)
+                        continue
+                    length = len(buffer)
+                    if self._closing:
+                        continue
+                    task = self._loop.create_task(self._accept_address(bytes(buffer[:length])))
+                    self._handshakes.add(task)
+                    task.add_done_callback(self._handshakes.discard)
+        worker = self._driver.worker
+        while len(self._hellos) < 64:
+            probe = worker.tag_probe(ucx_tag(HELLO_TAG), ucx_mask(TAG_MASK_ALL), False)
+            if not probe.matched:
+                break
+            length = int(probe.length)
+            probe = worker.tag_probe(ucx_tag(HELLO_TAG), ucx_mask(TAG_MASK_ALL), True)
+            if not probe.matched:
+                break
+            # An oversized handshake is received into a small buffer: UCX truncates it and reports an error,
+            # so nothing larger than MAX_HELLO is ever allocated for it.
+            buffer = bytearray(max(1, min(length, MAX_HELLO)))
+            self._hellos.append((worker.tag_recv_with_handle(ucx_array(buffer), probe), buffer))
+            activity = True
+        return activity
+
+    async def _accept_address(self, hello: bytes) -> None:
+        """The address path: a fresh worker for the client, a data endpoint and a monitor endpoint to it."""
+        description = f"ucx {self.address}<-client#{next(self._count)}(address)"
+        monitors: list[Any] = []
+
+        async def receive() -> bytes:
+            return hello
+
+        def open_monitor(client: Any) -> Any:
+            # Peer-failure handling on: UCX reports the client's death here (as the listener path's
+            # bootstrap endpoint does).
+            monitors.append(self._driver.worker.create_endpoint_from_worker_address(client, True))
+            return monitors[-1]
+
+        async def reply(monitor: Any, data: bytes) -> None:
+            await send_tagged(self._driver, monitor, REPLY_TAG, data, "answering the handshake")
+
+        if not await self._handshake(description, receive, open_monitor, reply):
+            for monitor in monitors:
+                close_endpoint(monitor)
+
+    async def _handshake(
+        self,
+        description: str,
+        receive: Callable[[], Awaitable[Buffer | None]],
+        open_monitor: Callable[[Any], Any],
+        reply: Callable[[Any, bytes], Awaitable[None]],
+    ) -> bool:
+        """Both paths' handshake: the client's hello, a worker and data endpoint for it, the monitor, the
+        reply; then the connection's handler starts. False (logged) when it failed; the caller closes the
+        monitor it opened."""
+        driver: Driver | None = None
+        try:
+            async with asyncio.timeout(self._handshake_timeout):
+                client_address = parse_hello(await receive(), description)
+                lib = self._lib
+                client = lib.UCXAddress.create_from_buffer(client_address)
+                worker = lib.UCXWorker(ucx_context())
+                driver = Driver(worker, self._loop, description)
+                endpoint = worker.create_endpoint_from_worker_address(client, self._error_handling)
+                monitor = open_monitor(client)
+                connection = UcxConnection(
+                    driver, endpoint, monitor, self._driver, description=description, **self._limits
+                )
+                try:
+                    await reply(monitor, MAGIC + bytes(worker.address.tobytes()))
+                except BaseException:
+                    await connection.close()
+                    raise
+        except TimeoutError:
+            logger.info("%s: handshake timed out after %s s", description, self._handshake_timeout)
+        except Exception as exc:
+            logger.info("%s: handshake failed: %s", description, exc)
+        else:
+            if self._closing:
+                await connection.close()
+            else:
+                logger.debug("accepted %s", description)
+                self._start_handler(connection)
+            return True
+        if driver is not None:
+            driver.close()
+        return False
+
+    def _on_request(self, conn_request: int, *args: object) -> None:
+        # Called from inside the listener worker's progress.
+        del args
+        if self._closing or self._listener is None:
+            return
+        try:
+            bootstrap = self._listener.create_endpoint_from_conn_request(conn_request, True)
+        except Exception as exc:
+            logger.warning("accepting a connection on %s failed: %s", self.address, exc)
+            return
+        task = self._loop.create_task(self._accept(bootstrap))
+        self._handshakes.add(task)
+        task.add_done_callback(self._handshakes.discard)
+
+    async def _accept(self, bootstrap: Any) -> None:
+        """The listener path: the hello and the reply travel on the bootstrap endpoint, the monitor."""
+        description = f"ucx {self.address}<-client#{next(self._count)}"
+
+        async def receive() -> Buffer | None:
+            return await recv_am(self._driver, bootstrap, "receiving the handshake")
+
+        async def reply(monitor: Any, data: bytes) -> None:
+            await send_am(self._driver, monitor, data, "answering the handshake")
+
+        if not await self._handshake(description, receive, lambda client: bootstrap, reply):
+            close_endpoint(bootstrap)
+
+    def _stop_accepting(self) -> None:
+        self._listener = None  # dropping ucxx's listener stops listening
+        for task in list(self._handshakes):
+            task.cancel()
+        logger.debug("stopped listening on %s", self.address)
+
+    async def wait_closed(self) -> None:
+        """Wait for the handlers, then release the listener's worker."""
+        await super().wait_closed()
+        if self._closing and not self._connections:
+            # Give closing bootstrap endpoints a moment of progress, then stop watching the worker.
+            await asyncio.sleep(0)
+            self._driver.run()
+            self._driver.close()
+
+
+async def serve_ucx(
+    host: str,
+    port: int,
+    handler: Handler,
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+    allocator: Allocator | None = None,
+    error_handling: bool = False,
+    handshake_timeout: float | None = 10.0,
+) -> UcxListener:
+    """Listen on ``port`` (0 picks a free one; UCX binds every interface) and run ``handler`` per connection.
+
+    ``error_handling`` turns UCX peer-failure handling on for the data endpoints (slower: no shared memory);
+    the peer's disappearance is detected either way (package docstring).
+    """
+    limits: _Limits = {
+        "max_message_bytes": max_message_bytes,
+        "max_buffered_bytes": max_buffered_bytes,
+        "allocator": allocator,
+    }
+    return UcxListener(
+        host,
+        port,
+        handler,
+        handshake_timeout=handshake_timeout,
+        error_handling=error_handling,
+        limits=limits,
+    )
