@@ -458,16 +458,6 @@ class RmaContext(_Closable):
         self._worker: int = int(worker.value or 0)
         self._closed = False
 
-    @property
-    def context_handle(self) -> int:
-        """The raw ``ucp_context_h``."""
-        return self._context
-
-    @property
-    def worker_handle(self) -> int:
-        """The raw ``ucp_worker_h``."""
-        return self._worker
-
     def worker_address(self) -> bytes:
         """This worker's UCX address, for a peer's :meth:`connect`."""
         self._ensure_open()
@@ -695,11 +685,6 @@ class RmaEndpoint(_Closable):
         self._rkeys: list[RemoteKey] = []
         self._closed = False
 
-    @property
-    def handle(self) -> int:
-        """The raw ``ucp_ep_h``."""
-        return self._ep
-
     def unpack(self, rkey: bytes, address: int | None = None, length: int | None = None) -> RemoteKey:
         """``ucp_ep_rkey_unpack``. With the region's ``address`` and ``length``, GETs are range-checked."""
         self._ensure_open()
@@ -742,11 +727,6 @@ class RemoteKey(_Closable):
         self.address = address
         self.length = length
         self._closed = False
-
-    @property
-    def handle(self) -> int:
-        """The raw ``ucp_rkey_h``."""
-        return self._rkey
 
     def _check_range(self, remote_address: int, nbytes: int) -> None:
         if remote_address < 0 or nbytes < 0:
