@@ -6,7 +6,7 @@ transport. Mirrors ``pyarrow.ipc``'s naming.
 
 from __future__ import annotations
 
-from dissoc.codec.decoder import MessageDecoder, ParsedMessage, parse
+from dissoc.codec.decoder import MessageDecoder
 from dissoc.codec.encoder import EncodedMessage, MessageEncoder
 from dissoc.codec.ipc import (
     FileReader,
@@ -20,7 +20,7 @@ from dissoc.codec.ipc import (
     open_file,
     open_stream,
 )
-from dissoc.codec.message import HeaderType, has_body, peek_header
+from dissoc.codec.message import HeaderType, ParsedMessage, has_body, parse, peek_header
 
 __all__ = [
     "EncodedMessage",

@@ -15,9 +15,9 @@ releases the imported batch, and all of it is freed in C++.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import threading
 from functools import lru_cache
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -39,7 +39,7 @@ class Keepalive:
     __slots__ = ("objects",)
 
     def __init__(self) -> None:
-        self.objects: list[Any] = []
+        self.objects: list[object] = []
 
 
 @lru_cache(maxsize=256)
@@ -57,10 +57,6 @@ _HOLDER_ADDRESS = _HOLDER_TARGET.address
 _NULL0 = pa.nulls(0)
 
 
-def _u64_view(addr: int, count: int) -> npt.NDArray[np.uint64]:
-    return np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(addr))
-
-
 def _release_now(addr: int) -> None:
     """Release an exported struct from Python (a direct call into C, never a callback)."""
     fn = ctypes.c_uint64.from_address(addr + 8 * _RELEASE).value
@@ -68,7 +64,7 @@ def _release_now(addr: int) -> None:
         _RELEASE_FN(fn)(addr)
 
 
-def view_as(obj: Any, target: Any) -> Any:
+def view_as(obj: pa.Array | pa.RecordBatch, target: pa.DataType | pa.Schema) -> pa.Array | pa.RecordBatch:
     """The same memory under another type (an array) or schema (a batch) of identical layout, no copy."""
     struct = pa.allocate_buffer(STRUCT_SIZE)
     obj._export_to_c(struct.address)
@@ -140,7 +136,6 @@ def _mark_released_function() -> int:
     mark them released; Arrow checks that it did. Writing it as two machine instructions avoids both a
     Python callback (unsafe, see the module docstring) and one exported private data per node.
     """
-    import mmap
     import platform
 
     machine = platform.machine().lower()
@@ -170,7 +165,7 @@ def _mark_released_function() -> int:
     return addr
 
 
-_keep_page: list[Any] = []
+_keep_page: list[mmap.mmap] = []
 _MARK_RELEASED = _mark_released_function()
 _ROOT_TYPE = pa.struct([])
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import flatbuffers
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 
 from dissoc.codec import cdata
@@ -37,6 +38,7 @@ class EncodedMessage:
     """One IPC message: the Message flatbuffer and the body as a list of buffers (already padded)."""
 
     metadata: bytes
+    # pyarrow buffers, numpy arrays or bytes: Any, as numpy's stubs do not make arrays buffers before 3.12.
     body_buffers: list[Any] = field(default_factory=list)
     body_length: int = 0
     header_type: int = HeaderType.RecordBatch
@@ -58,7 +60,7 @@ def _nbytes(buf: Any) -> int:
     return memoryview(buf).nbytes
 
 
-def _bitmap(buf: pa.Buffer | None, offset: int, length: int) -> Any:
+def _bitmap(buf: pa.Buffer | None, offset: int, length: int) -> pa.Buffer | npt.NDArray[np.uint8] | None:
     """Bytes of a bitmap starting at bit ``offset`` (a copy only when the offset is not byte aligned)."""
     if buf is None or length == 0:
         return None
@@ -72,7 +74,9 @@ def _bitmap(buf: pa.Buffer | None, offset: int, length: int) -> Any:
     return np.packbits(bits[shift : shift + length], bitorder="little")
 
 
-def _rebased_offsets(buf: pa.Buffer, offset: int, length: int, dtype: str) -> tuple[Any, int, int]:
+def _rebased_offsets(
+    buf: pa.Buffer, offset: int, length: int, dtype: str
+) -> tuple[pa.Buffer | npt.NDArray[np.int32] | npt.NDArray[np.int64] | None, int, int]:
     """Offsets for ``length`` values from ``offset``, rebased to start at 0: (buffer, first, last)."""
     width = np.dtype(dtype).itemsize
     if length == 0:

@@ -124,13 +124,6 @@ class Table:
             return None
         return Table(self._buf, t, what or self.what)
 
-    def struct_at(self, fid: int, size: int) -> memoryview | None:
-        """Bytes of an inline struct field."""
-        p = self._field(fid, size)
-        if p == 0:
-            return None
-        return self._buf[p : p + size]
-
     def _vector(self, fid: int, elem_size: int) -> tuple[int, int]:
         """(position of the first element, element count); (0, -1) when the field is absent."""
         v = self._deref(fid)
@@ -144,10 +137,6 @@ class Table:
                 f"only {self._n - start} bytes remain"
             )
         return start, count
-
-    def vector_len(self, fid: int) -> int:
-        """Element count, or -1 when the vector is absent."""
-        return self._vector(fid, 0)[1]
 
     def vector_bytes(self, fid: int, elem_size: int) -> memoryview | None:
         """The raw bytes of a vector of scalars or structs (None when absent)."""

@@ -11,17 +11,18 @@ import os
 import struct
 from collections.abc import Iterator
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, TypeAlias, cast
 
 import flatbuffers
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 
 from dissoc.buffers import aligned_empty
-from dissoc.codec.decoder import MessageDecoder, ParsedMessage, parse
+from dissoc.codec.decoder import MessageDecoder
 from dissoc.codec.encoder import EncodedMessage, MessageEncoder
 from dissoc.codec.fb import root_table
-from dissoc.codec.message import HeaderType, parse_message
+from dissoc.codec.message import HeaderType, ParsedMessage, parse, parse_message
 from dissoc.codec.schema import decode_schema, encode_schema
 from dissoc.errors import CodecError
 
@@ -45,6 +46,12 @@ _U32 = struct.Struct("<I")
 _I32 = struct.Struct("<i")
 MAX_METADATA = 1 << 30
 
+#: What the readers accept: bytes-like data (read without copying), a path (memory-mapped) or a binary file
+#: object (read incrementally).
+Source: TypeAlias = bytes | bytearray | memoryview | pa.Buffer | str | os.PathLike[str] | IO[bytes]
+#: What the writers accept: a path or a binary file object.
+Sink: TypeAlias = str | os.PathLike[str] | IO[bytes]
+
 
 def frame_prefix(metadata_len: int) -> tuple[bytes, int]:
     """The 8-byte encapsulation prefix and the padding after ``metadata_len`` bytes of flatbuffer."""
@@ -55,7 +62,7 @@ def frame_prefix(metadata_len: int) -> tuple[bytes, int]:
 # --------------------------------------------------------------------------------------------------- sources
 
 
-def _buffer_source(source: Any) -> pa.Buffer | None:
+def _buffer_source(source: Source) -> pa.Buffer | None:
     """A zero-copy pa.Buffer over ``source`` when it is bytes-like or a path; None for file objects."""
     if isinstance(source, pa.Buffer):
         return source
@@ -83,9 +90,9 @@ def _buffer_source(source: Any) -> pa.Buffer | None:
 class _Messages:
     """Yields (parsed message, body) from framed IPC messages in a buffer or a file object."""
 
-    def __init__(self, source: Any, start: int = 0) -> None:
+    def __init__(self, source: Source, start: int = 0) -> None:
         self.buf = _buffer_source(source)
-        self.file: IO[bytes] | None = None if self.buf is not None else source
+        self.file: IO[bytes] | None = None if self.buf is not None else cast(IO[bytes], source)
         self.view = memoryview(self.buf) if self.buf is not None else None
         self.pos = start
 
@@ -206,7 +213,7 @@ def _message_at(
 class StreamReader:
     """Reads an IPC stream: iterate it for ``pa.RecordBatch``; ``.schema``; ``.read_all()``."""
 
-    def __init__(self, source: Any, *, validate: bool = True) -> None:
+    def __init__(self, source: Source, *, validate: bool = True) -> None:
         self._messages = _Messages(source)
         self._decoder = MessageDecoder(validate=validate)
         first = self._messages.next()
@@ -256,7 +263,7 @@ class StreamReader:
         self._done = True
 
 
-def _blocks(raw: memoryview | None) -> np.ndarray[Any, np.dtype[np.int64]]:
+def _blocks(raw: memoryview | None) -> npt.NDArray[np.int64]:
     if raw is None:
         return np.zeros((0, 3), np.int64)
     a = np.frombuffer(raw, "<i8").reshape(-1, 3).copy()
@@ -268,11 +275,11 @@ def _blocks(raw: memoryview | None) -> np.ndarray[Any, np.dtype[np.int64]]:
 class FileReader:
     """Reads an IPC file: ``.schema``, ``.num_record_batches``, ``.get_batch(i)``, ``.read_all()``."""
 
-    def __init__(self, source: Any, *, validate: bool = True) -> None:
+    def __init__(self, source: Source, *, validate: bool = True) -> None:
         buf = _buffer_source(source)
         if buf is None:
             try:
-                buf = pa.py_buffer(source.read())
+                buf = pa.py_buffer(cast(IO[bytes], source).read())
             except OSError as e:
                 raise CodecError(f"reading the file failed: {e}") from None
         self._buf = buf
@@ -308,9 +315,7 @@ class FileReader:
     def num_record_batches(self) -> int:
         return len(self._batch_blocks)
 
-    def _message(
-        self, block: np.ndarray[Any, np.dtype[np.int64]], what: str
-    ) -> tuple[ParsedMessage, pa.Buffer]:
+    def _message(self, block: npt.NDArray[np.int64], what: str) -> tuple[ParsedMessage, pa.Buffer]:
         off, meta_len, body_len = (int(x) for x in block)
         if off < 8 or meta_len < 8 or body_len < 0 or off + meta_len + body_len > self._limit:
             raise CodecError(
@@ -375,14 +380,20 @@ class FileReader:
 
 
 class _Sink:
-    def __init__(self, sink: Any) -> None:
-        self.owned = isinstance(sink, (str, os.PathLike))
-        self.f: IO[bytes] = open(sink, "wb") if self.owned else sink  # noqa: SIM115
+    def __init__(self, sink: Sink) -> None:
+        self.f: IO[bytes]
+        if isinstance(sink, (str, os.PathLike)):
+            self.owned = True
+            self.f = open(sink, "wb")  # noqa: SIM115
+        else:
+            self.owned = False
+            self.f = sink
         if not hasattr(self.f, "write"):
             raise TypeError(f"sink must be a path or a binary file object, got {type(sink).__name__}")
         self.pos = 0
 
     def write(self, data: Any) -> None:
+        """Write bytes or a body buffer (any buffer: see :attr:`EncodedMessage.body_buffers`)."""
         n = self.f.write(data)
         self.pos += n if isinstance(n, int) else memoryview(data).nbytes
 
@@ -400,7 +411,7 @@ class StreamWriter:
 
     def __init__(
         self,
-        sink: Any,
+        sink: Sink,
         schema: pa.Schema,
         *,
         compression: str | None = None,
@@ -511,7 +522,7 @@ class FileWriter(StreamWriter):
 
 
 def iter_messages(
-    source: Any, *, file_format: bool = False
+    source: Source, *, file_format: bool = False
 ) -> Iterator[tuple[ParsedMessage, memoryview, pa.Buffer]]:
     """The framed messages of a stream (or of the stream inside an IPC file), as stored: no decoding.
 
@@ -535,25 +546,25 @@ def iter_messages(
         yield msg, meta, body
 
 
-def open_stream(source: Any, *, validate: bool = True) -> StreamReader:
+def open_stream(source: Source, *, validate: bool = True) -> StreamReader:
     """Open an IPC stream (bytes-like, path or binary file object) for reading."""
     return StreamReader(source, validate=validate)
 
 
-def open_file(source: Any, *, validate: bool = True) -> FileReader:
+def open_file(source: Source, *, validate: bool = True) -> FileReader:
     """Open an IPC file (bytes-like, path or binary file object) for random access."""
     return FileReader(source, validate=validate)
 
 
 def new_stream(
-    sink: Any, schema: pa.Schema, *, compression: str | None = None, emit_dictionary_deltas: bool = False
+    sink: Sink, schema: pa.Schema, *, compression: str | None = None, emit_dictionary_deltas: bool = False
 ) -> StreamWriter:
     """Start writing an IPC stream to ``sink`` (a path or binary file object)."""
     return StreamWriter(sink, schema, compression=compression, emit_dictionary_deltas=emit_dictionary_deltas)
 
 
 def new_file(
-    sink: Any, schema: pa.Schema, *, compression: str | None = None, emit_dictionary_deltas: bool = False
+    sink: Sink, schema: pa.Schema, *, compression: str | None = None, emit_dictionary_deltas: bool = False
 ) -> FileWriter:
     """Start writing an IPC file to ``sink`` (a path or binary file object)."""
     return FileWriter(sink, schema, compression=compression, emit_dictionary_deltas=emit_dictionary_deltas)

@@ -4,7 +4,8 @@ A RecordBatch (or DictionaryBatch) header lists field nodes (length, null count)
 in the body) flat, in depth-first schema order. :func:`message_layout` puts them back into a tree of
 :class:`FieldLayout` -- per field its node, its own buffers in IPC order, and its children -- so that code
 holding the body somewhere the decoder cannot read it (device memory) can still find every buffer. It is pure:
-metadata in, offsets out; the body itself is never read.
+metadata in, offsets out; the body itself is never read. Buffer sizes are checked against the rules the
+decoder uses too (:mod:`dissoc.codec.sizes`).
 
 Every layout the codec supports is covered: primitives and bool, (large) binary and string, binary and string
 views (with their variadic data buffers), fixed-size binary and decimals, (large) lists and list views,
@@ -16,22 +17,16 @@ dictionary's own message), run-end encoded (children only), the null type (no bu
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import pyarrow as pa
 
-from dissoc.codec.decoder import ParsedMessage, parse
-from dissoc.codec.message import HeaderType, parse_message
-from dissoc.codec.schema import IPC_BUFFERS, FieldPlan, Layout, SchemaInfo, decode_schema
+from dissoc.codec.message import HeaderType, ParsedMessage, parse, parse_message
+from dissoc.codec.schema import FieldPlan, Layout, SchemaInfo, decode_schema
+from dissoc.codec.sizes import IPC_BUFFERS, UNIONS, node_required_sizes
 from dissoc.errors import CodecError
 
 __all__ = ["FieldLayout", "MessageLayout", "field_layout", "message_layout", "schema_info"]
-
-log = logging.getLogger(__name__)
-
-_UNIONS = (Layout.SPARSE_UNION, Layout.DENSE_UNION)
-_NO_VALIDITY = (Layout.NULL, Layout.SPARSE_UNION, Layout.DENSE_UNION, Layout.RUN_END)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -174,7 +169,7 @@ class _Walker:
         self.ni = self.bi = self.vi = 0
 
     def _fixed_buffers(self, p: FieldPlan) -> int:
-        return IPC_BUFFERS[p.layout] + (1 if self.v4_unions and p.layout in _UNIONS else 0)
+        return IPC_BUFFERS[p.layout] + (1 if self.v4_unions and p.layout in UNIONS else 0)
 
     def check_counts(self, plans: list[FieldPlan]) -> None:
         """Node, view and (fixed) buffer counts of the schema against the header's, before walking."""
@@ -232,40 +227,10 @@ class _Walker:
     def _check_sizes(
         self, p: FieldPlan, length: int, null_count: int, spans: tuple[tuple[int, int], ...], first: int
     ) -> None:
-        need = _required_sizes(p, length, null_count, len(spans), self.v4_unions)
+        need = node_required_sizes(p, length, null_count, len(spans), self.v4_unions and p.layout in UNIONS)
         for k, (have, want) in enumerate(zip((n for _, n in spans), need, strict=False)):
             if have < want:
                 raise CodecError(
                     f"RecordBatch: buffer {first + k} of field {p.field.name!r} (length {length}) holds "
                     f"{have} bytes, {want} are needed"
                 )
-
-
-def _required_sizes(p: FieldPlan, length: int, null_count: int, nbuf: int, v4_unions: bool) -> list[int]:
-    """The bytes each of a node's buffers must hold for its length (what readers will read)."""
-    lay = p.layout
-    bits = (length + 7) // 8
-    out: list[int] = []
-    if lay not in _NO_VALIDITY:
-        out.append(bits if null_count else 0)
-    elif lay in _UNIONS and v4_unions:
-        out.append(0)
-    if lay == Layout.BOOL:
-        out.append(bits)
-    elif lay == Layout.FIXED:
-        out.append(length * p.width)
-    elif lay in (Layout.BINARY, Layout.LIST):
-        out.append((length + 1) * 4 if length else 0)
-    elif lay in (Layout.LARGE_BINARY, Layout.LARGE_LIST):
-        out.append((length + 1) * 8 if length else 0)
-    elif lay == Layout.VIEW:
-        out.append(length * 16)
-    elif lay == Layout.LIST_VIEW:
-        out += [length * 4, length * 4]
-    elif lay == Layout.LARGE_LIST_VIEW:
-        out += [length * 8, length * 8]
-    elif lay in _UNIONS:
-        out.append(length)
-        if lay == Layout.DENSE_UNION:
-            out.append(length * 4)
-    return out[:nbuf]

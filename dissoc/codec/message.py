@@ -1,5 +1,7 @@
 """The Arrow ``Message`` flatbuffer: parsing its header, and building RecordBatch / DictionaryBatch messages.
 
+:func:`parse` gives a :class:`ParsedMessage`: the Message's fields and, for batches, their RecordBatch header.
+
 Vectors of structs (FieldNode, Buffer) are read and written in bulk with numpy.
 """
 
@@ -16,13 +18,14 @@ from dissoc.codec.fb import Table, root_table
 from dissoc.errors import CodecError
 
 __all__ = [
-    "Compression",
     "HeaderType",
     "MessageInfo",
+    "ParsedMessage",
     "RecordBatchHeader",
     "encode_dictionary_batch",
     "encode_record_batch",
     "has_body",
+    "parse",
     "parse_message",
     "parse_record_batch",
     "peek_header",
@@ -42,11 +45,6 @@ class HeaderType(enum.IntEnum):
     SparseTensor = 5
 
 
-class Compression(enum.IntEnum):
-    LZ4_FRAME = 0
-    ZSTD = 1
-
-
 @dataclass(slots=True)
 class MessageInfo:
     """The fields of a Message table."""
@@ -55,7 +53,6 @@ class MessageInfo:
     header_type: int
     header: Table | None
     body_length: int
-    custom_metadata: dict[bytes, bytes] | None = None
 
 
 @dataclass(slots=True)
@@ -167,6 +164,49 @@ def parse_record_batch(t: Table) -> RecordBatchHeader:
     if variadic is not None and variadic.size and variadic.min() < 0:
         raise CodecError(f"RecordBatch: variadicBufferCounts must be >= 0, got {variadic.tolist()[:8]}")
     return RecordBatchHeader(length, nodes, buffers, compression, variadic)
+
+
+@dataclass(slots=True)
+class ParsedMessage:
+    """A parsed Message: its header fields, and for batches the nodes and buffers (offsets, lengths)."""
+
+    info: MessageInfo
+    batch: RecordBatchHeader | None = None
+    dictionary_id: int | None = None
+    is_delta: bool = False
+
+    @property
+    def header_type(self) -> int:
+        return self.info.header_type
+
+    @property
+    def body_length(self) -> int:
+        return self.info.body_length
+
+    @property
+    def has_body(self) -> bool:
+        return self.info.header_type in (HeaderType.RecordBatch, HeaderType.DictionaryBatch)
+
+
+def parse(metadata: object) -> ParsedMessage:
+    """Parse a Message flatbuffer and, for batches, their RecordBatch header."""
+    info = parse_message(metadata)
+    assert info.header is not None
+    if info.header_type == HeaderType.RecordBatch:
+        return ParsedMessage(info, parse_record_batch(info.header))
+    if info.header_type == HeaderType.DictionaryBatch:
+        h = info.header
+        data = h.table(1, "RecordBatch")
+        if data is None:
+            raise CodecError("DictionaryBatch: its RecordBatch (data) is missing")
+        return ParsedMessage(
+            info, parse_record_batch(data), h.scalar(0, "q", 0), bool(h.scalar(2, "?", False))
+        )
+    if info.header_type in (HeaderType.Tensor, HeaderType.SparseTensor):
+        raise CodecError(
+            f"unsupported message type {HeaderType(info.header_type).name}: not part of IPC streams"
+        )
+    return ParsedMessage(info)
 
 
 # --------------------------------------------------------------------------------------------------- encode

@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import flatbuffers
 import pyarrow as pa
@@ -70,7 +69,7 @@ class T(enum.IntEnum):
 
 
 class Layout(enum.IntEnum):
-    """How a node's buffers are laid out (IPC order)."""
+    """How a node's buffers are laid out (IPC order; their roles and sizes: :mod:`dissoc.codec.sizes`)."""
 
     NULL = 0  # no buffers
     BOOL = 1  # validity, bits
@@ -87,26 +86,6 @@ class Layout(enum.IntEnum):
     SPARSE_UNION = 12  # type ids; n children
     DENSE_UNION = 13  # type ids, int32 offsets; n children
     RUN_END = 14  # no buffers; 2 children
-
-
-# Fixed buffer counts per layout in the IPC (VIEW adds its variadic buffers).
-IPC_BUFFERS = {
-    Layout.NULL: 0,
-    Layout.BOOL: 2,
-    Layout.FIXED: 2,
-    Layout.BINARY: 3,
-    Layout.LARGE_BINARY: 3,
-    Layout.VIEW: 2,
-    Layout.LIST: 2,
-    Layout.LARGE_LIST: 2,
-    Layout.LIST_VIEW: 3,
-    Layout.LARGE_LIST_VIEW: 3,
-    Layout.FIXED_LIST: 1,
-    Layout.STRUCT: 1,
-    Layout.SPARSE_UNION: 1,
-    Layout.DENSE_UNION: 2,
-    Layout.RUN_END: 0,
-}
 
 
 @dataclass(eq=False, slots=True)
@@ -222,9 +201,8 @@ def _int_type(bit_width: int, signed: bool, what: str) -> pa.DataType:
 
 
 class _SchemaDecoder:
-    def __init__(self, metadata_version: int) -> None:
+    def __init__(self) -> None:
         self.dictionaries: dict[int, DictionaryInfo] = {}
-        self.v4 = metadata_version < 4
         self.nodes = 0
         self.seen: set[int] = set()
 
@@ -321,7 +299,13 @@ class _SchemaDecoder:
             raise CodecError(f"{where}: invalid {_type_name(tid)} type: {e}") from None
 
     def _type_inner(
-        self, tid: int, tt: Table | None, children: list[FieldPlan], where: str, need: Any, scalar: Any
+        self,
+        tid: int,
+        tt: Table | None,
+        children: list[FieldPlan],
+        where: str,
+        need: Callable[[int], None],
+        scalar: Callable[[int, str, int], int],
     ) -> tuple[pa.DataType, Layout, int, int]:
         if tid == T.Null:
             return pa.null(), Layout.NULL, 0, 0
@@ -499,11 +483,15 @@ def _extension_metadata(ty: pa.BaseExtensionType) -> bytes:
 
 
 def decode_schema(t: Table, metadata_version: int = 4) -> SchemaInfo:
-    """Decode a Schema table into pyarrow's schema plus the layout plans."""
+    """Decode a Schema table into pyarrow's schema plus the layout plans.
+
+    ``metadata_version`` is the Message's; schemas read the same in all supported versions (V4's union
+    validity buffers are a matter of the batches, see :class:`dissoc.codec.plan.Compiled`).
+    """
     endianness = t.scalar(0, "h", 0)
     if endianness not in (0, 1):
         raise CodecError(f"Schema endianness must be 0 (Little) or 1 (Big), got {endianness}")
-    dec = _SchemaDecoder(metadata_version)
+    dec = _SchemaDecoder()
     plans = [dec.field(f, 1) for f in t.tables(1, "Field")]
     meta = _key_values(t, 2)
     features_raw = t.vector_bytes(3, 8)
@@ -559,7 +547,6 @@ class DictionaryIds:
 
     def __init__(self, schema: pa.Schema) -> None:
         self.by_path: dict[tuple[int, ...], int] = {}
-        self.value_types: dict[int, pa.DataType] = {}
         nxt = 0
 
         def visit(ty: pa.DataType, path: tuple[int, ...]) -> None:
@@ -568,7 +555,6 @@ class DictionaryIds:
                 did = nxt
                 nxt += 1
                 self.by_path[path] = did
-                self.value_types[did] = ty.value_type
                 visit(ty.value_type, (*path, -1))
                 return
             storage = ty.storage_type if isinstance(ty, pa.BaseExtensionType) else ty
