@@ -22,8 +22,12 @@ flight = pytest.importorskip("pyarrow.flight")
 pytestmark = pytest.mark.timeout(60)
 
 
+#: The served files by ticket: (path, the table it holds).
+Files = dict[str, tuple[Path, pa.Table]]
+
+
 @pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, pa.Table]]:
+def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
     root = tmp_path_factory.mktemp("cli-flight")
     out = {}
     for name, table in (("trips", sample_table(batches=3)), ("ordered", ordered_table(4, 100))):
@@ -41,7 +45,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> tuple[int, bytes, bytes]:
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["combined", "split"])
-def test_serve_with_flight_prints_the_location_and_serves_through_it(files: dict, split: bool) -> None:
+def test_serve_with_flight_prints_the_location_and_serves_through_it(files: Files, split: bool) -> None:
     paths = [str(files["trips"][0]), str(files["ordered"][0])]
     with cli_server(*paths, "--flight", "0", *(["--split"] if split else []), count=2) as (proc, lines):
         assert [line["ticket"] for line in lines] == ["trips", "ordered"]
@@ -72,14 +76,14 @@ def test_serve_with_flight_prints_the_location_and_serves_through_it(files: dict
     assert b"Traceback" not in err
 
 
-def test_serve_without_flight_prints_no_flight_key(files: dict) -> None:
+def test_serve_without_flight_prints_no_flight_key(files: Files) -> None:
     with cli_server(str(files["ordered"][0]), count=1) as (proc, lines):
         assert "flight" not in lines[0]
         status, _out, _err = _stop(proc)
     assert status == 0
 
 
-def test_flight_port_in_use_is_exit_1_with_a_message(files: dict) -> None:
+def test_flight_port_in_use_is_exit_1_with_a_message(files: Files) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
@@ -97,7 +101,7 @@ def test_flight_port_in_use_is_exit_1_with_a_message(files: dict) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_flight_port_must_be_an_integer(files: dict) -> None:
+def test_flight_port_must_be_an_integer(files: Files) -> None:
     result = subprocess.run(
         [PYTHON, "-m", "dissoc.cli", "serve", "--flight", "x", str(files["ordered"][0])],
         cwd=REPO,
@@ -110,7 +114,7 @@ def test_flight_port_must_be_an_integer(files: dict) -> None:
     assert result.stdout == ""
 
 
-def test_get_through_a_flight_location(files: dict, tmp_path: Path) -> None:
+def test_get_through_a_flight_location(files: Files, tmp_path: Path) -> None:
     path, table = files["trips"]
     with cli_server(str(path), "--flight", "0", "--split", count=1) as (_proc, lines):
         out = tmp_path / "via-flight.arrow"

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.ipc as paipc
 import pytest
@@ -551,7 +552,10 @@ def _nested_stream(*steps: tuple[Any, ...]) -> bytes:
         ipcgen.FieldSpec("i", ipcgen.utf8(), dictionary=d1),
     ]
     messages = [(ipcgen.schema_message(fields), b"")]
-    i32 = lambda v: np.array(v, "<i4").tobytes()  # noqa: E731
+
+    def i32(v: npt.ArrayLike) -> bytes:
+        return np.array(v, "<i4").tobytes()
+
     for kind, *args in steps:
         if kind == "d1":
             values, delta = args
@@ -800,7 +804,7 @@ def test_encoder_rejects_other_schemas() -> None:
     with pytest.raises(CodecError, match="does not match"):
         DeviceEncoder(CASES["primitives"].schema).encode(db)
     with pytest.raises(TypeError):
-        DeviceEncoder("not a schema")  # type: ignore[arg-type]
+        DeviceEncoder("not a schema")
     # dictionary ids that differ from the encoder's
     _, got = _land(_nested_replacement_stream())
     with pytest.raises(CodecError, match="dictionary ids differ"):

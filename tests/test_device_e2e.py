@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 import pytest
 from e2e_helpers import PYTHON, REPO, ServerThread, cli_server, eventually, read_lines
@@ -45,7 +46,15 @@ from dissoc.codec import MessageEncoder, iter_messages, parse
 from dissoc.device import DeviceBatch, DeviceColumn, DeviceDecoder
 from dissoc.errors import CodecError, DissocError, ProtocolError, ResourceError
 from dissoc.memory import cuda as device_mod
-from dissoc.memory.cuda import ENV_VAR, FAKE_HANDLE_MAGIC, CupyBackend, FakeDeviceBackend, use_backend
+from dissoc.memory.cuda import (
+    ENV_VAR,
+    FAKE_HANDLE_MAGIC,
+    CupyBackend,
+    DeviceArray,
+    FakeDeviceArray,
+    FakeDeviceBackend,
+    use_backend,
+)
 from dissoc.memory.cuda_arena import DeviceArena
 from dissoc.server import Server
 from dissoc.uri import DissocURI
@@ -288,6 +297,12 @@ def _arena_segment(server: Server) -> str:
     return arena.name.lstrip("/")
 
 
+def _host(array: DeviceArray) -> npt.NDArray[Any]:
+    """The host memory behind a fake device array (what the server's arena holds, seen from the test)."""
+    assert isinstance(array, FakeDeviceArray)
+    return array.host
+
+
 def _mapping_of(array: Any) -> Any:
     """The fake allocation a device array is a view of (through the zero-copy lease that owns it), or None."""
     obj = array.host
@@ -483,7 +498,7 @@ def _body_spans(
             assert mapping is not None and mapping.name == segment
             start = m.body.data_ptr - mapping.ptr
             assert m.body.data_ptr != arena.allocation.ptr + start
-            assert np.array_equal(arena.view(start, m.body.nbytes).host, m.body.host)
+            assert np.array_equal(_host(arena.view(start, m.body.nbytes)), m.body.host)
             spans[id(m.body)] = (start, start + m.body.nbytes)
     return spans
 
@@ -511,9 +526,9 @@ async def test_zero_copy_device_batches_are_the_servers_arena_until_released(
         mapping = _mapping_of(ids)
         at = ids.data_ptr - mapping.ptr
         before = int(ids.host[0])
-        arena.view(at, 8).host[:] = np.array([-7], np.int64).view(np.uint8)
+        _host(arena.view(at, 8))[:] = np.array([-7], np.int64).view(np.uint8)
         assert int(ids.host[0]) == -7
-        arena.view(at, 8).host[:] = np.array([before], np.int64).view(np.uint8)
+        _host(arena.view(at, 8))[:] = np.array([before], np.int64).view(np.uint8)
         del ids, mapping
 
         # The ledger holds exactly the ranges behind the batches' bodies, listed to this one client.
@@ -564,7 +579,7 @@ async def test_copied_device_batches_free_at_once_and_are_private(
         assert await eventually(lambda: ledger.live_bytes == 0 and not ledger.clients(), 10), repr(ledger)
         assert all(_mapping_of(m.body) is None for b in got for m in b.messages)
         # the server scribbles over its whole arena: the client's batches do not change
-        arena.allocation.array.host[:] = 0xAB
+        _host(arena.allocation.array)[:] = 0xAB
         assert DeviceBatch.to_table(got).equals(expected)
         # and this process unmapped the arena once the stream ended
         segment = _arena_segment(srv)

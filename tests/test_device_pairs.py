@@ -447,7 +447,7 @@ _SERVER = textwrap.dedent(
     from dissoc.memory.cuda import get_backend
     from dissoc.memory.pairs import ServedArena
     from dissoc.data_server import DataServer
-from dissoc.role_server import ServeOptions
+    from dissoc.role_server import ServeOptions
     from dissoc.datasets import Catalog
 
     def payload(seed, n):
@@ -647,6 +647,6 @@ def test_cupy_arena_places_host_and_device_buffers() -> None:
         assert _down(backend, arena.view(*pairs[0])) == _payload(1, 1000)
         assert _down(backend, arena.view(*pairs[2])) == np.arange(100, dtype=np.int64).tobytes()
         assert _down(backend, arena.view(*pairs[3])) == b"xyz"
-        assert arena.view(*pairs[0]).data.ptr == arena.allocation.ptr + pairs[0][0]
+        assert _ptr(arena.view(*pairs[0])) == arena.allocation.ptr + pairs[0][0]
         with pytest.raises(ResourceError, match="fake-device segment"):
             backend.open_ipc((FAKE_HANDLE_MAGIC + b"dissoc-fakedev-00").ljust(64, b"\0"), 64)

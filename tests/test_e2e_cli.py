@@ -23,8 +23,12 @@ def dissoc_cmd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[s
     )
 
 
+#: The served files by ticket: (path, the table it holds).
+Files = dict[str, tuple[Path, pa.Table]]
+
+
 @pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, pa.Table]]:
+def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
     root = tmp_path_factory.mktemp("cli")
     table = sample_table(batches=3)
     arrow = root / "trips.arrow"
@@ -43,7 +47,7 @@ def _stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> tuple[int
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["combined", "split"])
-def test_serve_prints_one_json_line_per_dataset_and_exits_0_on_sigterm(files: dict, split: bool) -> None:
+def test_serve_prints_one_json_line_per_dataset_and_exits_0_on_sigterm(files: Files, split: bool) -> None:
     paths = [str(files["trips"][0]), str(files["ordered"][0])]
     args = [*paths, "--port", "0"] + (["--split"] if split else [])
     with cli_server(*args, count=2) as (proc, lines):
@@ -58,7 +62,7 @@ def test_serve_prints_one_json_line_per_dataset_and_exits_0_on_sigterm(files: di
     assert b"Traceback" not in err
 
 
-def test_serve_handles_signals_as_soon_as_it_printed_ready(files: dict) -> None:
+def test_serve_handles_signals_as_soon_as_it_printed_ready(files: Files) -> None:
     """The JSON lines say "ready": a SIGTERM/SIGINT sent the instant they appear must still give exit 0
     (repeated, since it is a race between printing and installing the signal handlers)."""
     import os
@@ -86,7 +90,7 @@ def test_serve_handles_signals_as_soon_as_it_printed_ready(files: dict) -> None:
     assert all(status == 0 for _, status in statuses), f"exit statuses: {statuses}"
 
 
-def test_serve_exits_0_on_sigint(files: dict) -> None:
+def test_serve_exits_0_on_sigint(files: Files) -> None:
     with cli_server(str(files["ordered"][0]), count=1) as (proc, _lines):
         status, out, err = _stop(proc, signal.SIGINT)
     assert status == 0, f"exit status {status} on SIGINT; stderr: {err.decode()[-2000:]}"
@@ -97,7 +101,7 @@ def test_serve_exits_0_on_sigint(files: dict) -> None:
 @pytest.mark.parametrize("split", [False, True], ids=["combined", "split"])
 @pytest.mark.parametrize("suffix", [".arrow", ".arrows"])
 def test_get_writes_files_pyarrow_reads_back_equal(
-    files: dict, split: bool, suffix: str, tmp_path: Path
+    files: Files, split: bool, suffix: str, tmp_path: Path
 ) -> None:
     paths = [str(files["trips"][0]), str(files["ordered"][0])]
     with cli_server(*paths, *(["--split"] if split else []), count=2) as (proc, lines):
@@ -126,7 +130,7 @@ def test_get_writes_files_pyarrow_reads_back_equal(
         assert proc.poll() is None, "the server exited while serving"
 
 
-def test_get_unknown_ticket_exits_1_with_message_no_traceback(files: dict) -> None:
+def test_get_unknown_ticket_exits_1_with_message_no_traceback(files: Files) -> None:
     with cli_server(str(files["ordered"][0]), count=1) as (_proc, lines):
         result = dissoc_cmd("get", lines[0]["uri"], "does-not-exist", "--no-progress", "--timeout", "10")
     assert result.returncode == 1, (result.returncode, result.stderr)

@@ -102,6 +102,7 @@ async def test_client_breaks_out_mid_stream_server_releases_and_goes_on(split: b
         agen = stream_batches(server.uri, "long", data_uri=server.data_uri, options=ClientOptions(timeout=10))
         seen = 0
         async with contextlib.aclosing(agen):
+            batch: pa.RecordBatch
             async for batch in agen:
                 assert batch.column("id")[0].as_py() == seen * ROWS
                 seen += 1
@@ -174,7 +175,7 @@ async def test_many_clients_leaving_early_leave_nothing_behind() -> None:
 # ---------------------------------------------------------------------------------------- server dies
 
 
-def _big_ipc_file(path: Path, batches: int = 80, batch_bytes: int = 2 << 20) -> pa.Table:
+def _big_ipc_file(path: Path, batches: int = 80, batch_bytes: int = 2 << 20) -> Path:
     rows = batch_bytes // 8
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, pa.schema([("id", pa.int64())])) as w:
         for i in range(batches):

@@ -89,6 +89,7 @@ async def test_slow_consumer_throttles_the_server(split: bool) -> None:
 
             async def consume() -> None:
                 nonlocal consumed, max_lead
+                batch: pa.RecordBatch
                 async for batch in agen:
                     assert batch.column("id")[0].as_py() == consumed * source.rows
                     consumed += 1
@@ -119,6 +120,7 @@ async def test_slow_consumer_with_default_options_completes(split: bool) -> None
 
         async def consume() -> None:
             nonlocal consumed
+            batch: pa.RecordBatch
             async for batch in stream_batches(server.uri, "s", data_uri=server.data_uri):
                 assert batch.column("id")[0].as_py() == consumed * source.rows
                 consumed += 1

@@ -85,6 +85,7 @@ async def test_a_dataset_larger_than_the_arena_streams_through_it() -> None:
     table = pa.Table.from_batches([batch] * 40)
     async with Server({"t": table}, body="pairs", arena_bytes=4 << 20) as srv:
         n = 0
+        b: pa.RecordBatch
         async for b in stream_batches(srv.uri, "t", data_uri=srv.data_uri):
             assert b.column(0).equals(batch.column(0))
             n += 1

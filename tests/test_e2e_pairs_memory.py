@@ -6,6 +6,7 @@ import asyncio
 import gc
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -15,6 +16,7 @@ from e2e_helpers import ServerThread
 from dissoc.client import ClientOptions, fetch, fetch_async, open_stream, stream_batches
 from dissoc.errors import DissocError, ProtocolError
 from dissoc.memory.pairs import open_pair_reader
+from dissoc.memory.shm import ShmArena
 from dissoc.protocol import PairList
 from dissoc.server import Server
 from dissoc.uri import DissocURI
@@ -47,18 +49,19 @@ def _table(rows: int = 40_000, batches: int = 4) -> pa.Table:
     return pa.Table.from_batches(parts)
 
 
-async def _until(condition: object, timeout: float = 10.0) -> bool:
+async def _until(condition: Callable[[], object], timeout: float = 10.0) -> bool:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while loop.time() < deadline:
-        if condition():  # type: ignore[operator]
+        if condition():
             return True
         await asyncio.sleep(0.01)
-    return bool(condition())  # type: ignore[operator]
+    return bool(condition())
 
 
 def _inside(buffer: pa.Buffer, start: int, size: int) -> bool:
-    return start <= buffer.address and buffer.address + buffer.size <= start + size
+    address: int = buffer.address
+    return start <= address and address + buffer.size <= start + size
 
 
 # ------------------------------------------------------------------------------------- zero-copy over shm
@@ -90,12 +93,13 @@ async def test_zero_copy_batches_point_into_the_segment_and_free_when_released()
 async def test_zero_copy_buffers_live_in_the_shared_mapping() -> None:
     table = _table(rows=10_000, batches=1)
     async with Server({"t": table}, body="pairs") as srv:
+        batch: pa.RecordBatch
         async for batch in stream_batches(srv.uri, "t", data_uri=srv.data_uri, options=ZERO_COPY):
             values = batch.column(0).buffers()[1]
             assert values is not None
             # The value buffer is a view of memory the server wrote: change it there, see it here.
             arena = srv.arena
-            assert arena is not None
+            assert isinstance(arena, ShmArena)
             raw = arena.array
             first = int(batch.column(0)[0].as_py())
             hits = np.flatnonzero(raw.view(np.int64)[: raw.size // 8] == first)
@@ -113,6 +117,7 @@ async def test_zero_copy_frees_batch_by_batch_while_streaming() -> None:
     # 30 batches of 800 KB through a 4 MiB arena: only works if released batches free their ranges at once.
     async with Server({"t": table}, body="pairs", arena_bytes=4 << 20) as srv:
         n = 0
+        b: pa.RecordBatch
         async for b in stream_batches(srv.uri, "t", data_uri=srv.data_uri, options=ZERO_COPY):
             assert b.column(0).equals(batch.column(0))
             n += 1
@@ -144,8 +149,6 @@ def test_zero_copy_through_the_synchronous_calls() -> None:
 
 
 def test_a_reader_refuses_ranges_outside_the_segment() -> None:
-    from dissoc.memory.shm import ShmArena
-
     arena = ShmArena.create(1 << 20)
     try:
         uri = DissocURI("tcp", "127.0.0.1", 1, 1, 2, remote_handle=arena.handle, memory="shm")
@@ -181,7 +184,7 @@ async def test_rma_pairs_round_trip_and_everything_is_freed(split: bool) -> None
     async with Server(
         {"t": table}, transport="ucx", body="pairs", memory="ucx", split=split, arena_bytes=64 << 20
     ) as srv:
-        assert srv.arena is not None
+        assert isinstance(srv.arena, ShmArena)
         segment = srv.arena.name.lstrip("/")
         assert segment in _segments()
         data = DissocURI.parse(srv.data_uri)
@@ -205,6 +208,7 @@ async def test_rma_pairs_stream_through_a_small_arena() -> None:
     table = pa.Table.from_batches([batch] * 20)
     async with Server({"t": table}, transport="ucx", body="pairs", memory="ucx", arena_bytes=4 << 20) as srv:
         n = 0
+        b: pa.RecordBatch
         async for b in stream_batches(srv.uri, "t", data_uri=srv.data_uri, options=ClientOptions(timeout=20)):
             assert b.column(0).equals(batch.column(0))
             n += 1

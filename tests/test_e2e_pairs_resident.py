@@ -198,6 +198,7 @@ async def test_a_dataset_larger_than_the_arena_evicts_only_what_nobody_holds(tmp
         arena, placements, ledger = srv.arena, srv.placements, srv.ledger
         kept: list[pa.RecordBatch] = []
         n = 0
+        b: pa.RecordBatch
         async for b in stream_batches(srv.uri, "big", data_uri=srv.data_uri, options=ZERO_COPY):
             if n in (1, 6):
                 kept.append(b)

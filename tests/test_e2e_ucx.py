@@ -299,7 +299,7 @@ async def test_connection_paths_give_equal_results(split: bool) -> None:
     async with ucx_server({"t": table}, split) as server:
         for path in PATHS:
             agen = stream_batches(server.uri, "t", data_uri=server.data_uri, options=opts(path))
-            batches = []
+            batches: list[pa.RecordBatch] = []
             async with contextlib.aclosing(agen):
                 async for batch in agen:
                     if not batches:  # the connections are up: see how the server got them
@@ -512,7 +512,7 @@ async def test_client_killed_mid_stream_server_serves_the_others(split: bool, pa
             async def take(n: int) -> None:
                 nonlocal seen
                 for _ in range(n):
-                    batch = await other.__anext__()
+                    batch: pa.RecordBatch = await other.__anext__()
                     assert batch.column("id")[0].as_py() == seen * LongStream.ROWS
                     seen += 1
 
@@ -623,6 +623,7 @@ async def test_slow_consumer_throttles_the_server(split: bool, path: str) -> Non
 
             async def consume() -> None:
                 nonlocal consumed, max_lead
+                batch: pa.RecordBatch
                 async for batch in agen:
                     assert batch.column("id")[0].as_py() == consumed * source.rows
                     consumed += 1
@@ -652,7 +653,7 @@ async def test_stalled_consumer_bounds_the_server_with_small_bodies(split: bool)
     async with ucx_server({"s": ReaderFactoryDataset("s", source, schema=source.schema)}, split) as srv:
         agen = stream_batches(srv.uri, "s", data_uri=srv.data_uri, options=o)
         async with contextlib.aclosing(agen):
-            first = await within(30, agen.__anext__(), "the first batch")
+            first: pa.RecordBatch = await within(30, agen.__anext__(), "the first batch")
             assert first.column("id")[0].as_py() == 0
             # Stalled: wait until the server stops producing (steady for 1 s), or clearly runs away.
             deadline = time.monotonic() + 30
@@ -669,6 +670,7 @@ async def test_stalled_consumer_bounds_the_server_with_small_bodies(split: bool)
             lead = source.data_produced() - 1
             # The stream still completes in order once the consumer resumes.
             n = 1
+            batch: pa.RecordBatch
             async for batch in agen:
                 assert batch.column("id")[0].as_py() == n * source.rows
                 n += 1
@@ -731,6 +733,7 @@ async def test_pairs_dataset_larger_than_the_arena_streams_through_it() -> None:
         {"t": pa.Table.from_batches([batch] * 40)}, body="pairs", memory="shm", arena_bytes=4 << 20
     ) as server:
         n = 0
+        b: pa.RecordBatch
         async for b in stream_batches(server.uri, "t", data_uri=server.data_uri, options=opts()):
             assert b.column(0).equals(batch.column(0))
             n += 1
@@ -826,9 +829,11 @@ def test_cli_serve_ucx_and_get(variant: str, cli_files: dict[str, Any], tmp_path
         assert "no-such-ticket" in stderr and "Traceback" not in stderr and stdout == ""
         assert server.poll() is None, "the server exited while serving"
         server.send_signal(signal.SIGTERM)
-        out, err = server.communicate(timeout=30)
+        server_out, err = server.communicate(timeout=30)
         assert server.returncode == 0, f"exit status {server.returncode}; stderr: {err.decode()[-2000:]}"
-        assert out == b"", f"stdout carried more than the JSON lines (UCX messages go to stderr): {out!r}"
+        assert server_out == b"", (
+            f"stdout carried more than the JSON lines (UCX messages go to stderr): {server_out!r}"
+        )
         assert b"Traceback" not in err
     finally:
         if server.poll() is None:

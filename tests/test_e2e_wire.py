@@ -247,6 +247,10 @@ async def test_random_fuzz_never_escapes_dissoc_error() -> None:
             data[rng.randrange(len(data))] = rng.randrange(256)
         cut = rng.choice([len(data), rng.randrange(len(data))])
         payload = bytes(data[:cut])
-        async with RawServer(lambda p=payload: [p, CLOSE]) as raw:
+
+        def script(p: bytes = payload) -> list[object]:
+            return [p, CLOSE]
+
+        async with RawServer(script) as raw:
             with contextlib.suppress(DissocError):  # a table or a DissocError are both fine
                 await within(6, fetch_async(raw.uri(), "x", options=ClientOptions(timeout=2)))

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -214,7 +214,7 @@ async def test_do_action_remove_then_the_dataset_is_gone_everywhere() -> None:
 async def test_unknown_tickets_and_actions_fail_clearly_for_a_pyarrow_client() -> None:
     async with serve_with_flight({"known": ordered_table(1, 5)}) as plane:
         client = _client(plane)
-        calls = {
+        calls: dict[str, Callable[[], object]] = {
             "DoGet": lambda: client.do_get(flight.Ticket(b"nope")).read_all(),
             "GetFlightInfo": lambda: client.get_flight_info(flight.FlightDescriptor.for_path("nope")),
             "remove": lambda: list(client.do_action(flight.Action(ACTION_REMOVE, b"nope"))),
@@ -361,7 +361,11 @@ async def test_a_synchronous_flight_client_on_the_loop_thread_does_not_deadlock(
 # --------------------------------------------------------------- a plain pyarrow Flight control plane
 
 
-class PlainControlPlane(flight.FlightServerBase):  # type: ignore[misc]
+#: pyarrow.flight has no type information: to the checker its classes are Any.
+_FlightServerBase: Any = flight.FlightServerBase
+
+
+class PlainControlPlane(_FlightServerBase):  # type: ignore[misc]
     """Not dissoc's: serves FlightInfos it is given, as any Flight service could."""
 
     def __init__(self, infos: dict[str, Any]) -> None:

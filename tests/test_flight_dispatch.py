@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import pyarrow as pa
 import pytest
@@ -80,10 +80,11 @@ async def test_every_entry_point_reads_through_a_dissoc_control_plane(split: boo
             await asyncio.to_thread(reader.read_all)
         with pytest.raises(DissocError, match="data_uri"):
             await fetch_async(plane.location, "trips", data_uri=plane.server.data_uri)
-        for call in (
+        refusals: tuple[Callable[[], Awaitable[object]], ...] = (
             lambda: fetch_async(plane.location, "nope"),
             lambda: asyncio.to_thread(lambda: open_stream(plane.location, "nope").read_all()),
-        ):
+        )
+        for call in refusals:
             with pytest.raises(RemoteError) as refused:
                 await call()
             assert refused.value.code == "unknown_ticket"
@@ -113,10 +114,11 @@ async def test_endpoints_are_read_in_order_and_must_share_a_schema(plain_plane: 
 
         got = await _all_entry_points(loc, "whole")
         empty = await _all_entry_points(loc, "empty")
-        for call in (
+        mixed: tuple[Callable[[], Awaitable[object]], ...] = (
             lambda: fetch_async(loc, "mixed"),
             lambda: asyncio.to_thread(lambda: open_stream(loc, "mixed").read_all()),
-        ):
+        )
+        for call in mixed:
             with pytest.raises(ProtocolError, match="different schemas"):
                 await call()
     whole = pa.concat_tables(parts)

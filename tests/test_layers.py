@@ -63,6 +63,8 @@ def _imports(module: str) -> list[tuple[str, int]]:
     is_package = MODULES[module].name == "__init__.py"
     found: list[tuple[str, int]] = []
     for node in ast.walk(tree):
+        if not isinstance(node, ast.Import | ast.ImportFrom):
+            continue
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]

@@ -102,7 +102,8 @@ def test_missing_pyspark_names_the_spark_extra(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setitem(sys.modules, "pyspark", None)  # import pyspark -> ImportError
     with pytest.raises(DissocError, match=r"pip install 'dissoc\[spark\]'"):
-        dissoc.spark.register(object())  # type: ignore[arg-type]
+        not_a_session: Any = object()  # deliberately not a SparkSession
+        dissoc.spark.register(not_a_session)
     with pytest.raises(DissocError, match=r"dissoc\[spark\]"):
         dissoc.spark.spark_schema(pa.schema([("a", pa.int64())]))
 
@@ -239,6 +240,7 @@ def test_read_listed_endpoints_one_partition_each(spark: Any, split: bool) -> No
 @spark_only
 def test_read_schema_and_values_are_exact_for_awkward_types(spark: Any) -> None:
     import dissoc.spark
+    from dissoc.spark import _types
 
     table = _awkward_table()
     with ServerThread({"t": table}) as server:
@@ -247,7 +249,7 @@ def test_read_schema_and_values_are_exact_for_awkward_types(spark: Any) -> None:
         got = df.toArrow()
         rows = df.orderBy("nn").collect()
     # Spark's Arrow form of the same schema, with the values cast as the source did
-    assert got.schema.equals(dissoc.spark._types.arrow_target(df.schema))  # type: ignore[attr-defined]
+    assert got.schema.equals(_types.arrow_target(df.schema))
     expected = dissoc.spark.conform(table.combine_chunks().to_batches()[0], df.schema)
     assert got.sort_by("nn").equals(pa.Table.from_batches([expected]))
     first, third = rows[0], rows[2]
@@ -364,6 +366,7 @@ def test_commit_removes_stray_attempts_and_late_attempts_remove_themselves(
     flight_server: tuple[str, pa.Table], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The writer's protocol, driven directly (Spark rarely runs speculative attempts on demand)."""
+    from pyspark import TaskContext
     from pyspark.sql import types as T
 
     import dissoc.spark
@@ -373,7 +376,7 @@ def test_commit_removes_stray_attempts_and_late_attempts_remove_themselves(
     schema = T.StructType([T.StructField("x", T.LongType())])
     writer = _source.DissocWriter(location, "spec", "job1", schema, overwrite=False, timeout=10)
     task = _FakeTask(0, 0)
-    monkeypatch.setattr(_source.TaskContext, "get", staticmethod(lambda: task))
+    monkeypatch.setattr(TaskContext, "get", staticmethod(lambda: task))  # the class _source uses
 
     def write(partition: int, attempt: int, values: list[int]) -> Any:
         task.partition, task.attempt = partition, attempt

@@ -198,7 +198,8 @@ def _field(buf: bytes, table: int, field: int) -> int:
 
 
 def _deref(buf: bytes, pos: int) -> int:
-    return pos + struct.unpack_from("<I", buf, pos)[0]
+    offset: int = struct.unpack_from("<I", buf, pos)[0]
+    return pos + offset
 
 
 def message_fields(metadata: bytes) -> tuple[int, int, list[tuple[int, int]]]:

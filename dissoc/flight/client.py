@@ -11,7 +11,7 @@ import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Final
 
 import pyarrow as pa
 
@@ -28,6 +28,9 @@ from dissoc.flight.common import (
     ticket_name,
 )
 from dissoc.uri import DissocURI, UriError
+
+if TYPE_CHECKING:
+    import pyarrow.flight as paflight
 
 __all__ = ["DatasetInfo", "describe", "list_datasets", "publish", "remove", "resolve"]
 
@@ -74,7 +77,7 @@ def _translate(e: Exception, what: str, location: str) -> DissocError:
 
 
 @contextlib.contextmanager
-def _client(location: str, what: str) -> Iterator[Any]:
+def _client(location: str, what: str) -> Iterator[paflight.FlightClient]:
     """A FlightClient to ``location``; every pyarrow error inside the block becomes a dissoc error."""
     flight = flight_module()
     check_location(location)
@@ -91,11 +94,11 @@ def _client(location: str, what: str) -> Iterator[Any]:
             client.close()
 
 
-def _call_options(timeout: float | None) -> Any:
+def _call_options(timeout: float | None) -> paflight.FlightCallOptions:
     return flight_module().FlightCallOptions(timeout=timeout)
 
 
-def _location_text(loc: Any, where: str) -> str:
+def _location_text(loc: paflight.Location | str | bytes, where: str) -> str:
     raw = getattr(loc, "uri", loc)
     try:
         return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
@@ -103,7 +106,7 @@ def _location_text(loc: Any, where: str) -> str:
         raise ProtocolError(f"{where}: a location is not valid UTF-8: {raw[:80]!r}") from None
 
 
-def _parse_info(info: Any, where: str) -> DatasetInfo:
+def _parse_info(info: paflight.FlightInfo, where: str) -> DatasetInfo:
     """Check a FlightInfo from a control plane and turn it into a DatasetInfo (ProtocolError if malformed)."""
     try:
         schema = info.schema

@@ -5,7 +5,8 @@ that says what to install)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Final
+from types import ModuleType
+from typing import Final
 
 from dissoc.datasets import (
     DatasetError,
@@ -45,7 +46,7 @@ _ACTIONS: Final = (
 Endpoint = tuple[str, str, bytes]
 
 
-def flight_module() -> Any:
+def flight_module() -> ModuleType:
     """``pyarrow.flight``, or a DissocError naming what to install."""
     try:
         import pyarrow.flight as flight
@@ -54,7 +55,8 @@ def flight_module() -> Any:
             f"the Flight control plane needs pyarrow built with Arrow Flight (pyarrow.flight): {e}; "
             "install a pyarrow wheel from PyPI (it includes Flight) or conda's 'pyarrow' with libarrow-flight"
         ) from None
-    return flight
+    module: ModuleType = flight  # pyarrow has no type information: to the checker the import is Any
+    return module
 
 
 def is_flight_location(uri: object) -> bool:

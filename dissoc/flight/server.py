@@ -56,6 +56,8 @@ from dissoc.flight.common import (
 )
 
 if TYPE_CHECKING:
+    import pyarrow.flight as paflight
+
     from dissoc.server import Server
 
 __all__ = ["FlightControlPlane", "flight_server_class", "serve_with_flight"]
@@ -72,9 +74,12 @@ def _error(code: str, message: str) -> Exception:
     """A Flight error whose ``extra_info`` carries ``{"code", "message"}`` (what :func:`resolve` reports)."""
     flight = flight_module()
     extra = json.dumps({"code": code, "message": message}).encode()
+    error: Exception
     if code == "read_only":
-        return flight.FlightUnauthorizedError(message, extra)  # type: ignore[no-any-return]
-    return flight.FlightServerError(message, extra)  # type: ignore[no-any-return]
+        error = flight.FlightUnauthorizedError(message, extra)
+    else:
+        error = flight.FlightServerError(message, extra)
+    return error
 
 
 @contextlib.contextmanager
@@ -102,7 +107,7 @@ class _Handlers:
 
     # -- discovery
 
-    def _descriptor_name(self, descriptor: Any) -> str:
+    def _descriptor_name(self, descriptor: paflight.FlightDescriptor) -> str:
         flight = flight_module()
         if descriptor.descriptor_type == flight.DescriptorType.PATH:
             parts = [ticket_name(p) for p in descriptor.path]
@@ -111,7 +116,7 @@ class _Handlers:
             return "/".join(parts)
         return ticket_name(descriptor.command)
 
-    def _info(self, name: str, descriptor: Any) -> Any:
+    def _info(self, name: str, descriptor: paflight.FlightDescriptor) -> paflight.FlightInfo:
         flight = flight_module()
         described = self.server.catalog.describe(name)
         locations = [flight.Location(self.server.uri), flight.Location(self.server.data_uri)]
@@ -125,7 +130,7 @@ class _Handlers:
             -1 if nbytes is None else int(nbytes),
         )
 
-    def list_flights(self, criteria: bytes) -> Iterator[Any]:
+    def list_flights(self, criteria: bytes) -> Iterator[paflight.FlightInfo]:
         flight = flight_module()
         with _as_flight_errors("ListFlights"):
             prefix = ticket_name(criteria) if criteria else ""
@@ -137,24 +142,24 @@ class _Handlers:
             except UnknownTicket:  # removed meanwhile
                 continue
 
-    def get_flight_info(self, descriptor: Any) -> Any:
+    def get_flight_info(self, descriptor: paflight.FlightDescriptor) -> paflight.FlightInfo:
         with _as_flight_errors("GetFlightInfo"):
             return self._info(self._descriptor_name(descriptor), descriptor)
 
-    def get_schema(self, descriptor: Any) -> Any:
+    def get_schema(self, descriptor: paflight.FlightDescriptor) -> paflight.SchemaResult:
         flight = flight_module()
         with _as_flight_errors("GetSchema"):
             return flight.SchemaResult(self.server.catalog.get(self._descriptor_name(descriptor)).schema)
 
     # -- data
 
-    def do_get(self, ticket: bytes) -> Any:
+    def do_get(self, ticket: bytes) -> paflight.FlightDataStream:
         with _as_flight_errors("DoGet"):
             dataset = self.server.catalog.get(ticket)
             log.debug("Flight DoGet %r", dataset.name)
             return _flight_stream(dataset, self.closing)
 
-    def _put_target(self, descriptor: Any) -> tuple[str, bool]:
+    def _put_target(self, descriptor: paflight.FlightDescriptor) -> tuple[str, bool]:
         """(name, replace) from a path descriptor ``[name]`` or a command ``{"name", "replace"}``."""
         flight = flight_module()
         if descriptor.descriptor_type == flight.DescriptorType.PATH:
@@ -170,7 +175,12 @@ class _Handlers:
             raise DatasetError(f"DoPut command: name must be a string and replace a boolean, got {command}")
         return name, replace
 
-    def do_put(self, descriptor: Any, reader: Any, writer: Any) -> None:
+    def do_put(
+        self,
+        descriptor: paflight.FlightDescriptor,
+        reader: paflight.MetadataRecordBatchReader,
+        writer: paflight.FlightMetadataWriter,
+    ) -> None:
         with _as_flight_errors("DoPut"):
             name, replace = self._put_target(descriptor)
             if self.read_only:
@@ -218,7 +228,7 @@ class _Handlers:
             raise _error("unknown_action", f"unknown action {kind!r} (known: {known})")
 
 
-def _flight_stream(dataset: Dataset, closing: threading.Event) -> Any:
+def _flight_stream(dataset: Dataset, closing: threading.Event) -> paflight.FlightDataStream:
     """The Flight data stream of ``dataset``: pyarrow's C++ loops where the data allows, else a generator."""
     flight = flight_module()
     if dataset.closed:
@@ -265,41 +275,57 @@ def _generate(dataset: Dataset, closing: threading.Event) -> Iterator[pa.RecordB
 
 
 @functools.cache
-def flight_server_class() -> type[Any]:
+def flight_server_class() -> type[paflight.FlightServerBase]:
     """The ``pyarrow.flight.FlightServerBase`` subclass the control plane runs (built on first use).
 
     ``cls(location, handlers)``; most code wants :class:`FlightControlPlane` instead.
     """
     flight = flight_module()
-    base: Any = flight.FlightServerBase
+    base: Any = flight.FlightServerBase  # pyarrow has no type information: a class the checker cannot see
 
     class DissocFlightServer(base):  # type: ignore[misc]
         """Flight service whose endpoints point at a dissoc server (see :mod:`dissoc.flight`)."""
 
-        def __init__(self, location: str, handlers: _Handlers, **kwargs: Any) -> None:
+        def __init__(self, location: str, handlers: _Handlers, **kwargs: object) -> None:
             super().__init__(location, **kwargs)
             self.handlers = handlers
 
-        def list_flights(self, context: Any, criteria: bytes) -> Iterator[Any]:
+        def list_flights(
+            self, context: paflight.ServerCallContext, criteria: bytes
+        ) -> Iterator[paflight.FlightInfo]:
             return self.handlers.list_flights(criteria)
 
-        def get_flight_info(self, context: Any, descriptor: Any) -> Any:
+        def get_flight_info(
+            self, context: paflight.ServerCallContext, descriptor: paflight.FlightDescriptor
+        ) -> paflight.FlightInfo:
             return self.handlers.get_flight_info(descriptor)
 
-        def get_schema(self, context: Any, descriptor: Any) -> Any:
+        def get_schema(
+            self, context: paflight.ServerCallContext, descriptor: paflight.FlightDescriptor
+        ) -> paflight.SchemaResult:
             return self.handlers.get_schema(descriptor)
 
-        def do_get(self, context: Any, ticket: Any) -> Any:
+        def do_get(
+            self, context: paflight.ServerCallContext, ticket: paflight.Ticket
+        ) -> paflight.FlightDataStream:
             return self.handlers.do_get(ticket.ticket)
 
-        def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+        def do_put(
+            self,
+            context: paflight.ServerCallContext,
+            descriptor: paflight.FlightDescriptor,
+            reader: paflight.MetadataRecordBatchReader,
+            writer: paflight.FlightMetadataWriter,
+        ) -> None:
             self.handlers.do_put(descriptor, reader, writer)
 
-        def do_action(self, context: Any, action: Any) -> Iterator[Any]:
+        def do_action(
+            self, context: paflight.ServerCallContext, action: paflight.Action
+        ) -> Iterator[paflight.Result]:
             body = action.body.to_pybytes() if action.body is not None else b""
             return iter([flight.Result(pa.py_buffer(r)) for r in self.handlers.do_action(action.type, body)])
 
-        def list_actions(self, context: Any) -> list[Any]:
+        def list_actions(self, context: paflight.ServerCallContext) -> list[paflight.ActionType]:
             return [flight.ActionType(kind, description) for kind, description in _ACTIONS]
 
     return DissocFlightServer
@@ -337,7 +363,7 @@ class FlightControlPlane:
         self.handlers = _Handlers(
             server, read_only=read_only, max_put_bytes=max_put_bytes, closing=self._closing
         )
-        self.flight_server: Any = None
+        self.flight_server: paflight.FlightServerBase | None = None
 
     async def start(self) -> Self:
         """Start listening (idempotent)."""

@@ -26,17 +26,23 @@ import os
 import secrets
 import threading
 from collections.abc import Iterator
-from typing import Any, Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, cast
 
 import numpy as np
 import numpy.typing as npt
 
+from dissoc.buffers import BytesLike, U8Array
 from dissoc.errors import DissocError, ResourceError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = [
     "IPC_HANDLE_BYTES",
     "CupyBackend",
     "DeviceAllocation",
+    "DeviceArray",
     "DeviceBackend",
     "FakeDeviceBackend",
     "get_backend",
@@ -53,6 +59,30 @@ _FAKE_PREFIX = "dissoc-fakedev-"
 ENV_VAR = "DISSOC_DEVICE_BACKEND"
 
 
+class DeviceArray(Protocol):
+    """A device array as dissoc uses it, whatever the backend (``cupy.ndarray``, :class:`FakeDeviceArray`):
+    its size, shape and dtype, a dtype view and slices (views too, no copy). Its bytes are reached through
+    the backend (``download``), never directly."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype[Any]: ...
+
+    def view(self, dtype: npt.DTypeLike, /) -> DeviceArray: ...
+
+    def __getitem__(self, key: slice, /) -> DeviceArray: ...
+
+    def __len__(self) -> int: ...
+
+
 class DeviceAllocation(Protocol):
     """One device allocation: a base pointer and a size, owned (freed by :meth:`close`) or mapped from a
     handle (unmapped by :meth:`close`). ``array`` is a uint8 device array over all of it."""
@@ -64,7 +94,7 @@ class DeviceAllocation(Protocol):
     def nbytes(self) -> int: ...
 
     @property
-    def array(self) -> Any: ...
+    def array(self) -> DeviceArray: ...
 
     def close(self) -> None: ...
 
@@ -78,32 +108,34 @@ class DeviceBackend(Protocol):
         """A dedicated allocation of ``nbytes`` (one IPC handle covers exactly it)."""
         ...
 
-    def empty(self, nbytes: int) -> Any:
+    def empty(self, nbytes: int) -> DeviceArray:
         """A uint8 device array of ``nbytes`` (pooled memory is fine: it is not shared)."""
         ...
 
-    def upload(self, data: Any) -> Any:
+    def upload(self, data: BytesLike) -> DeviceArray:
         """A new uint8 device array holding a copy of host bytes-like ``data``."""
         ...
 
-    def download(self, array: Any, out: Any = None) -> npt.NDArray[np.uint8]:
+    def download(self, array: DeviceArray, out: U8Array | None = None) -> U8Array:
         """Copy uint8 device ``array`` to host memory (into ``out`` when given); waits for the copy."""
         ...
 
-    def copy(self, dst: Any, src: Any) -> None:
+    def copy(self, dst: DeviceArray, src: DeviceArray) -> None:
         """Device-to-device copy of ``src`` into ``dst`` (uint8 arrays of one size)."""
         ...
 
-    def upload_into(self, dst: Any, data: Any) -> None:
+    def upload_into(self, dst: DeviceArray, data: BytesLike) -> None:
         """Copy host bytes-like ``data`` into the existing uint8 device array ``dst`` (of the same size)."""
         ...
 
-    def view(self, allocation: DeviceAllocation, offset: int, length: int, owner: Any = None) -> Any:
+    def view(
+        self, allocation: DeviceAllocation, offset: int, length: int, owner: object | None = None
+    ) -> DeviceArray:
         """A uint8 device array over a range of ``allocation`` (no copy); ``ValueError`` outside it. With an
         ``owner``, the array and every view derived from it keep ``owner`` alive."""
         ...
 
-    def is_device_array(self, obj: Any) -> bool:
+    def is_device_array(self, obj: object) -> TypeGuard[DeviceArray]:
         """Whether ``obj`` is this backend's device array."""
         ...
 
@@ -120,18 +152,35 @@ class DeviceBackend(Protocol):
         ...
 
 
+def _host_bytes(data: BytesLike) -> U8Array:
+    """Host bytes-like ``data`` as a flat uint8 numpy array over the same memory (no copy)."""
+    # numpy's stubs declare the buffer protocol of arrays for Python 3.12+ only; they have it on 3.11 too.
+    return np.frombuffer(memoryview(cast("Buffer", data)).cast("B"), dtype=np.uint8)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # CuPy
 
 
-def _cupy() -> Any:
+class _CupyArray(DeviceArray, Protocol):
+    """What the CuPy backend uses of a ``cupy.ndarray`` beyond :class:`DeviceArray` (CuPy has no type
+    information of its own)."""
+
+    def get(self, *, out: U8Array | None = None) -> U8Array: ...
+
+    def set(self, arr: U8Array, /) -> None: ...
+
+
+def _cupy() -> ModuleType:
+    """The ``cupy`` module, or a ResourceError naming the ``gpu`` extra."""
     try:
         import cupy
     except ImportError as exc:
         raise ResourceError(
             f"device memory needs CuPy and a CUDA device (pip install 'dissoc[gpu]'): {exc}"
         ) from exc
-    return cupy
+    module: ModuleType = cupy  # CuPy has no type information: to the checker the import is Any
+    return module
 
 
 # CUDA maps an IPC handle at most once per process: opening it again while it is open fails. Every allocation
@@ -156,7 +205,9 @@ def _close_ipc(handle: bytes) -> None:
 class _CupyAllocation:
     __slots__ = ("_array", "_closed", "_ipc_handle", "_memory", "nbytes", "ptr")
 
-    def __init__(self, memory: Any, ptr: int, nbytes: int, ipc_handle: bytes | None) -> None:
+    def __init__(self, memory: object | None, ptr: int, nbytes: int, ipc_handle: bytes | None) -> None:
+        """``memory``: the ``cupy.cuda.Memory`` this allocation owns, or None for one mapped from
+        ``ipc_handle``."""
         cp = _cupy()
         self._memory = memory
         self.ptr = ptr
@@ -165,11 +216,14 @@ class _CupyAllocation:
         self._closed = False
         owner = memory if memory is not None else self
         unowned = cp.cuda.UnownedMemory(ptr, nbytes, owner)
-        self._array = cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(unowned, 0))
+        self._array: DeviceArray | None = cp.ndarray(
+            (nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(unowned, 0)
+        )
 
     @property
-    def array(self) -> Any:
-        return self._array
+    def array(self) -> DeviceArray:
+        # None once closed, when nothing reads it any more (the arenas and readers check first).
+        return cast(DeviceArray, self._array)
 
     def close(self) -> None:
         if self._closed:
@@ -207,33 +261,36 @@ class CupyBackend:
             raise ResourceError(f"cannot allocate {nbytes} bytes of device memory: {exc}") from exc
         return _CupyAllocation(memory, int(memory.ptr), int(nbytes), None)
 
-    def empty(self, nbytes: int) -> Any:
+    def empty(self, nbytes: int) -> _CupyArray:
         try:
-            return self._cp.empty(int(nbytes), dtype=self._cp.uint8)
+            array: _CupyArray = self._cp.empty(int(nbytes), dtype=self._cp.uint8)
         except self._cp.cuda.memory.OutOfMemoryError as exc:
             raise ResourceError(f"cannot allocate {nbytes} bytes of device memory: {exc}") from exc
+        return array
 
-    def upload(self, data: Any) -> Any:
-        host = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+    def upload(self, data: BytesLike) -> DeviceArray:
+        host = _host_bytes(data)
         array = self.empty(host.nbytes)
         array.set(host)
         return array
 
-    def download(self, array: Any, out: Any = None) -> npt.NDArray[np.uint8]:
+    def download(self, array: DeviceArray, out: U8Array | None = None) -> U8Array:
         if out is None:
-            return array.get()  # type: ignore[no-any-return]
-        array.get(out=out)
-        return out  # type: ignore[no-any-return]
+            return cast(_CupyArray, array).get()
+        cast(_CupyArray, array).get(out=out)
+        return out
 
-    def copy(self, dst: Any, src: Any) -> None:
+    def copy(self, dst: DeviceArray, src: DeviceArray) -> None:
         self._cp.copyto(dst, src)
 
-    def upload_into(self, dst: Any, data: Any) -> None:
+    def upload_into(self, dst: DeviceArray, data: BytesLike) -> None:
         """Copy host bytes-like ``data`` into the existing uint8 device array ``dst`` (of its size)."""
-        host = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-        dst.set(host)
+        host = _host_bytes(data)
+        cast(_CupyArray, dst).set(host)
 
-    def view(self, allocation: DeviceAllocation, offset: int, length: int, owner: Any = None) -> Any:
+    def view(
+        self, allocation: DeviceAllocation, offset: int, length: int, owner: object | None = None
+    ) -> DeviceArray:
         """A uint8 device array over ``[offset, offset + length)`` of ``allocation`` (no copy).
 
         With an ``owner``, the array (and every view derived from it) keeps ``owner`` alive; without one, it
@@ -244,9 +301,10 @@ class CupyBackend:
             return allocation.array[offset : offset + length]
         cp = self._cp
         memory = cp.cuda.UnownedMemory(allocation.ptr + offset, max(length, 1), owner)
-        return cp.ndarray((length,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(memory, 0))
+        array: DeviceArray = cp.ndarray((length,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(memory, 0))
+        return array
 
-    def is_device_array(self, obj: Any) -> bool:
+    def is_device_array(self, obj: object) -> TypeGuard[DeviceArray]:
         return isinstance(obj, self._cp.ndarray)
 
     def ipc_handle(self, allocation: DeviceAllocation) -> bytes:
@@ -336,28 +394,30 @@ class FakeDeviceBackend:
             os.close(fd)
         return _FakeAllocation(name, mm, nbytes, owner=True)
 
-    def empty(self, nbytes: int) -> Any:
+    def empty(self, nbytes: int) -> FakeDeviceArray:
         return FakeDeviceArray(np.empty(int(nbytes), np.uint8))
 
-    def upload(self, data: Any) -> Any:
-        host = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+    def upload(self, data: BytesLike) -> FakeDeviceArray:
+        host = _host_bytes(data)
         return FakeDeviceArray(host.copy())
 
-    def download(self, array: Any, out: Any = None) -> npt.NDArray[np.uint8]:
+    def download(self, array: DeviceArray, out: U8Array | None = None) -> U8Array:
         src = np.asarray(array.host if isinstance(array, FakeDeviceArray) else array, np.uint8)
         if out is None:
             return src.copy()
         np.copyto(out, src)
-        return out  # type: ignore[no-any-return]
+        return out
 
-    def copy(self, dst: Any, src: Any) -> None:
+    def copy(self, dst: DeviceArray, src: DeviceArray) -> None:
         np.copyto(_fake_host(dst), _fake_host(src))
 
-    def upload_into(self, dst: Any, data: Any) -> None:
+    def upload_into(self, dst: DeviceArray, data: BytesLike) -> None:
         """Copy host bytes-like ``data`` into the existing uint8 fake device array ``dst`` (of its size)."""
-        np.copyto(_fake_host(dst), np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8))
+        np.copyto(_fake_host(dst), _host_bytes(data))
 
-    def view(self, allocation: DeviceAllocation, offset: int, length: int, owner: Any = None) -> Any:
+    def view(
+        self, allocation: DeviceAllocation, offset: int, length: int, owner: object | None = None
+    ) -> FakeDeviceArray:
         """A fake device array over ``[offset, offset + length)`` of ``allocation`` (no copy).
 
         With an ``owner``, the numpy array behind it holds ``owner`` as its base, so that every view derived
@@ -369,7 +429,7 @@ class FakeDeviceBackend:
             host = np.asarray(_Owned(host, owner))
         return FakeDeviceArray(host)
 
-    def is_device_array(self, obj: Any) -> bool:
+    def is_device_array(self, obj: object) -> TypeGuard[DeviceArray]:
         return isinstance(obj, FakeDeviceArray)
 
     def ipc_handle(self, allocation: DeviceAllocation) -> bytes:
@@ -435,10 +495,10 @@ class FakeDeviceArray:
     def data_ptr(self) -> int:
         return int(self.host.ctypes.data)
 
-    def view(self, dtype: Any) -> FakeDeviceArray:
+    def view(self, dtype: npt.DTypeLike) -> FakeDeviceArray:
         return FakeDeviceArray(self.host.view(dtype))
 
-    def __getitem__(self, key: Any) -> FakeDeviceArray:
+    def __getitem__(self, key: slice) -> FakeDeviceArray:
         return FakeDeviceArray(self.host[key])
 
     def __len__(self) -> int:
@@ -448,7 +508,7 @@ class FakeDeviceArray:
         return f"FakeDeviceArray(nbytes={self.nbytes}, dtype={self.dtype})"
 
 
-def _fake_host(obj: Any) -> npt.NDArray[Any]:
+def _fake_host(obj: object) -> npt.NDArray[Any]:
     return obj.host if isinstance(obj, FakeDeviceArray) else np.asarray(obj)
 
 
@@ -458,7 +518,7 @@ class _Owned:
 
     __slots__ = ("__array_interface__", "_host", "owner")
 
-    def __init__(self, host: npt.NDArray[Any], owner: Any) -> None:
+    def __init__(self, host: npt.NDArray[Any], owner: object) -> None:
         self._host = host
         self.owner = owner
         self.__array_interface__ = host.__array_interface__

@@ -27,7 +27,7 @@ import numpy as np
 from dissoc.buffers import ALIGNMENT, align_up, byte_view
 from dissoc.errors import ResourceError
 from dissoc.memory.arena import FreeListArena
-from dissoc.memory.cuda import DeviceAllocation, DeviceBackend, get_backend
+from dissoc.memory.cuda import DeviceAllocation, DeviceArray, DeviceBackend, get_backend
 
 __all__ = ["DeviceArena"]
 
@@ -100,7 +100,7 @@ class DeviceArena(FreeListArena):
         """What goes into the URI's ``remote_handle``: the 64-byte IPC handle of the base allocation."""
         return self._handle
 
-    def view(self, offset: int, length: int) -> Any:
+    def view(self, offset: int, length: int) -> DeviceArray:
         """A uint8 device array over ``[offset, offset + length)`` of the arena (no copy).
 
         Raises :class:`ValueError` for a range outside the arena, :class:`~dissoc.errors.ResourceError` once
@@ -118,7 +118,7 @@ class DeviceArena(FreeListArena):
         if self._allocation is None:
             raise ResourceError(f"{self._label}: expected an open arena, got a closed one")
 
-    def _device_bytes(self, array: Any) -> Any:
+    def _device_bytes(self, array: DeviceArray) -> DeviceArray:
         if len(array.shape) != 1:
             raise TypeError(f"place: expected one-dimensional device arrays, got shape {array.shape}")
         if array.dtype != np.uint8:
@@ -130,8 +130,8 @@ class DeviceArena(FreeListArena):
                 ) from None
         return array
 
-    def _measure(self, buffers: Sequence[Any]) -> tuple[list[Any], list[int]]:
-        sources: list[Any] = []
+    def _measure(self, buffers: Sequence[Any]) -> tuple[list[DeviceArray | memoryview], list[int]]:
+        sources: list[DeviceArray | memoryview] = []
         for buf in buffers:
             if self._backend.is_device_array(buf):
                 sources.append(self._device_bytes(buf))
@@ -139,7 +139,7 @@ class DeviceArena(FreeListArena):
                 sources.append(byte_view(buf))
         return sources, [int(s.nbytes) for s in sources]
 
-    def _fill(self, sources: list[Any], sizes: list[int], offsets: list[int]) -> None:
+    def _fill(self, sources: list[DeviceArray | memoryview], sizes: list[int], offsets: list[int]) -> None:
         backend = self._backend
         allocation = self.allocation
         it = iter(offsets)
@@ -156,12 +156,12 @@ class DeviceArena(FreeListArena):
 
     # -- device bodies ------------------------------------------------------------------------------------
 
-    def _spans(self, body: Any, spans: Sequence[tuple[int, int]]) -> list[Any]:
+    def _spans(self, body: object, spans: Sequence[tuple[int, int]]) -> list[DeviceArray | bytes]:
         if not self._backend.is_device_array(body):
             raise TypeError(f"place_spans: expected a device array of {self._backend.name}, got {type(body)}")
         body = self._device_bytes(body)
         size = int(body.nbytes)
-        out: list[Any] = []
+        out: list[DeviceArray | bytes] = []
         for offset, length in spans:
             offset, length = int(offset), int(length)
             if offset < 0 or length < 0 or offset + length > size:
@@ -172,7 +172,7 @@ class DeviceArena(FreeListArena):
             out.append(body[offset : offset + length] if length else b"")
         return out
 
-    def place_spans(self, body: Any, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    def place_spans(self, body: object, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """:meth:`place` for ranges of one device array ``body``: one (offset, length) span per buffer.
 
         Each non-empty span is copied device-to-device to its own allocation; empty ones give ``(0, 0)``.
@@ -181,7 +181,7 @@ class DeviceArena(FreeListArena):
         return self.place(self._spans(body, spans))
 
     async def place_spans_wait(
-        self, body: Any, spans: Sequence[tuple[int, int]], timeout: float | None = None
+        self, body: object, spans: Sequence[tuple[int, int]], timeout: float | None = None
     ) -> list[tuple[int, int]]:
         """:meth:`place_wait` for ranges of one device array (see :meth:`place_spans`)."""
         return await self.place_wait(self._spans(body, spans), timeout)

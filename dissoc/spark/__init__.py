@@ -79,7 +79,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
@@ -89,6 +89,7 @@ from dissoc.spark._manifest import WrittenPart, last_write, written
 
 if TYPE_CHECKING:
     import numpy as np
+    import numpy.typing as npt
     from pyspark.sql import SparkSession
     from pyspark.sql.types import DataType, StructType
 
@@ -227,7 +228,7 @@ def conform(batch: pa.RecordBatch, target: pa.Schema | StructType) -> pa.RecordB
     return convert(batch, target)
 
 
-def hash_partition(batch: pa.RecordBatch, key: str | Sequence[str], n: int) -> np.ndarray[Any, Any]:
+def hash_partition(batch: pa.RecordBatch, key: str | Sequence[str], n: int) -> npt.NDArray[np.int64]:
     """The destination (``0..n-1``) of each row: a process-independent hash of the ``key`` column(s)."""
     from dissoc.spark._exchange import hash_partition as partition
 

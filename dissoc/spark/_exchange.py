@@ -17,9 +17,10 @@ import os
 import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -29,8 +30,12 @@ __all__ = ["Partitioner", "exchange", "hash_partition"]
 
 log = logging.getLogger(__name__)
 
-Partitioner = Callable[[pa.RecordBatch, int], "np.ndarray[Any, Any]"]
-"""``f(batch, n)`` -> one destination task index in ``[0, n)`` per row of ``batch``."""
+Partitioner: TypeAlias = Callable[[pa.RecordBatch, int], npt.ArrayLike]
+"""``f(batch, n)`` -> one destination task index in ``[0, n)`` per row of ``batch`` (integers, as a numpy
+array or anything ``numpy.asarray`` takes)."""
+
+#: What :func:`exchange` takes: this task's rows.
+ExchangeData: TypeAlias = "Iterable[pa.RecordBatch | pa.Table] | pa.Table | pa.RecordBatch"
 
 HOST_ENV = "DISSOC_SPARK_HOST"
 """Environment variable naming the address exchange servers bind to and advertise (overrides the default)."""
@@ -40,7 +45,7 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _NULL_HASH = np.uint64(0x9E3779B97F4A7C15)
 
 
-def _mix(h: np.ndarray[Any, np.dtype[np.uint64]]) -> np.ndarray[Any, np.dtype[np.uint64]]:
+def _mix(h: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     """splitmix64's finaliser: every input bit affects every output bit."""
     with np.errstate(over="ignore"):
         h = h ^ (h >> np.uint64(30))
@@ -50,13 +55,13 @@ def _mix(h: np.ndarray[Any, np.dtype[np.uint64]]) -> np.ndarray[Any, np.dtype[np
         return h ^ (h >> np.uint64(31))
 
 
-def _column_hash(column: pa.Array) -> np.ndarray[Any, np.dtype[np.uint64]]:
+def _column_hash(column: pa.Array) -> npt.NDArray[np.uint64]:
     """A 64-bit hash per value, equal in every process (no per-process seed), nulls all alike."""
     t = column.type
     if pa.types.is_dictionary(t):
         column = column.dictionary_decode()
         t = column.type
-    values: np.ndarray[Any, np.dtype[np.uint64]]
+    values: npt.NDArray[np.uint64]
     if pa.types.is_integer(t) or pa.types.is_temporal(t) or pa.types.is_boolean(t):
         if not pa.types.is_integer(t):
             column = column.cast(pa.int64()) if not pa.types.is_boolean(t) else column.cast(pa.int8())
@@ -98,7 +103,7 @@ def _encodable(t: pa.DataType) -> bool:
     )
 
 
-def hash_partition(batch: pa.RecordBatch, key: str | Sequence[str], n: int) -> np.ndarray[Any, Any]:
+def hash_partition(batch: pa.RecordBatch, key: str | Sequence[str], n: int) -> npt.NDArray[np.int64]:
     """Destination task per row: a hash of the ``key`` column(s) modulo ``n``, the same in every process.
 
     Rows with equal keys always go to the same task, in every task of the stage.
@@ -119,9 +124,9 @@ def hash_partition(batch: pa.RecordBatch, key: str | Sequence[str], n: int) -> n
     return (h % np.uint64(n)).astype(np.int64)
 
 
-def _split(batch: pa.RecordBatch, dest: np.ndarray[Any, Any], n: int) -> list[pa.RecordBatch]:
+def _split(batch: pa.RecordBatch, destinations: npt.ArrayLike, n: int) -> list[pa.RecordBatch]:
     """``batch``'s rows grouped by destination (one take, then zero-copy slices); order kept within each."""
-    dest = np.asarray(dest, dtype=np.int64)
+    dest = np.asarray(destinations, dtype=np.int64)
     if dest.shape != (batch.num_rows,):
         raise DissocError(f"the partitioner returned {dest.shape} destinations for {batch.num_rows} rows")
     if batch.num_rows and (dest.min() < 0 or dest.max() >= n):
@@ -139,7 +144,7 @@ def _split(batch: pa.RecordBatch, dest: np.ndarray[Any, Any], n: int) -> list[pa
 class _ServerThread:
     """A dissoc Server on its own loop in a daemon thread (the task's main thread blocks in barriers)."""
 
-    def __init__(self, datasets: dict[str, Any], host: str, port: int) -> None:
+    def __init__(self, datasets: dict[str, pa.Table], host: str, port: int) -> None:
         self._datasets = datasets
         self._host = host
         self._port = port
@@ -211,7 +216,7 @@ def _bind_host(host: str | None, addresses: list[str], me: int) -> str:
     return _task_host(addresses[me]) or "127.0.0.1"
 
 
-def _as_batches(data: Any) -> Iterator[pa.RecordBatch]:
+def _as_batches(data: ExchangeData) -> Iterator[pa.RecordBatch]:
     if isinstance(data, pa.Table):
         yield from data.to_batches()
         return
@@ -231,7 +236,7 @@ def _as_batches(data: Any) -> Iterator[pa.RecordBatch]:
 
 
 def exchange(
-    data: Iterable[pa.RecordBatch | pa.Table] | pa.Table | pa.RecordBatch,
+    data: ExchangeData,
     *,
     key: str | Sequence[str] | None = None,
     partitioner: Partitioner | None = None,
@@ -268,6 +273,7 @@ def exchange(
             for j in range(n):  # no key: every task gets every row
                 buckets[j].append(batch)
             continue
+        dest: npt.ArrayLike
         if key is not None:
             dest = hash_partition(batch, key, n)
         else:
@@ -277,7 +283,7 @@ def exchange(
             if part.num_rows:
                 buckets[j].append(part)
 
-    datasets: dict[str, Any] = {}
+    datasets: dict[str, pa.Table] = {}
     if schema is not None:
         datasets = {f"to-{j}": pa.Table.from_batches(buckets[j], schema=schema) for j in range(n) if j != me}
     bind = _bind_host(host, addresses, me)

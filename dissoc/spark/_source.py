@@ -15,8 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, MutableMapping, Sequence
 
 import pyarrow as pa
 from pyspark import TaskContext
@@ -122,7 +121,7 @@ class DissocPartition(InputPartition):
 class DissocDataSource(DataSource):
     """``spark.read.format("dissoc")`` / ``df.write.format("dissoc")`` (options: see :mod:`dissoc.spark`)."""
 
-    def __init__(self, options: Any) -> None:
+    def __init__(self, options: MutableMapping[str, str]) -> None:
         super().__init__(options)
         self._endpoints: list[Endpoint] | None = None
         self._arrow_schema: pa.Schema | None = None

@@ -14,7 +14,6 @@ Imported only once pyspark is known to be installed (see :mod:`dissoc.spark`).
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -28,9 +27,10 @@ __all__ = ["SparkTypeError", "arrow_target", "conform", "spark_schema", "spark_t
 log = logging.getLogger(__name__)
 
 
-def _time_type() -> Any:
+def _time_type() -> type[T.DataType] | None:
     """Spark's TimeType (PySpark 4.1 and later), or None."""
-    return getattr(T, "TimeType", None)
+    time_type: type[T.DataType] | None = getattr(T, "TimeType", None)
+    return time_type
 
 
 def spark_type(t: pa.DataType) -> T.DataType:
@@ -83,7 +83,7 @@ def spark_type(t: pa.DataType) -> T.DataType:
         time_type = _time_type()
         if time_type is None:
             raise SparkTypeError(f"{t}: time of day needs PySpark 4.1 or later (TimeType)")
-        return time_type()  # type: ignore[no-any-return]
+        return time_type()
     if (
         types.is_list(t)
         or types.is_large_list(t)

@@ -347,7 +347,9 @@ def test_classify() -> None:
         SeqClass.RELEASED,
         SeqClass.RELEASED,
     ]
-    assert SeqClass.RELEASED < 0 and SeqClass.PAST_END < 0 and SeqClass.ACCEPT == 0 and SeqClass.AHEAD > 0
+    assert (
+        SeqClass.RELEASED < 0 and SeqClass.PAST_END < 0 and int(SeqClass.ACCEPT) == 0 and SeqClass.AHEAD > 0
+    )
     rb.add_metadata(0, "s", False)
     rb.add_metadata(1, "m", True)
     assert [rb.classify(s) for s in (0, 1, 4, 5)] == [
