@@ -18,7 +18,7 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -602,7 +602,7 @@ async def stream_batches(
     options: ClientOptions | None = None,
     stats: FetchStats | None = None,
     on_schema: Callable[[pa.Schema], None] | None = None,
-) -> AsyncIterator[Batch]:
+) -> AsyncGenerator[Batch, None]:
     """Yield the stream's batches in sequence order, each as soon as it is complete (``pa.RecordBatch``, or
     :class:`~dissoc.device.DeviceBatch` with ``ClientOptions(landing="device")``)."""
     chunks = stream_chunks(uri, ticket, data_uri=data_uri, options=options, stats=stats, on_schema=on_schema)
