@@ -180,12 +180,6 @@ class DeviceArena(FreeListArena):
         """
         return self.place(self._spans(body, spans))
 
-    async def place_spans_wait(
-        self, body: object, spans: Sequence[tuple[int, int]], timeout: float | None = None
-    ) -> list[tuple[int, int]]:
-        """:meth:`place_wait` for ranges of one device array (see :meth:`place_spans`)."""
-        return await self.place_wait(self._spans(body, spans), timeout)
-
     # -- lifetime -----------------------------------------------------------------------------------------
 
     def close(self) -> None:
