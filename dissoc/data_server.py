@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
 import pyarrow as pa
@@ -50,18 +50,24 @@ class DataPart(StreamPart):
         self._placements = options.placements
         self._scope = _scope(dataset, self._placements, current) if self._placements is not None else None
 
-    async def message(self, out: Outbox, sent: ServerMessage, metadata: Any, body: list[Any]) -> None:
+    def message(
+        self, out: Outbox, sent: ServerMessage, metadata: Any, body: list[Any]
+    ) -> Awaitable[None] | None:
         if sent.tag is None:
-            return
-        conn = self._conn
-        placements = self._placements
-        if placements is None:
+            return None
+        if self._placements is None:
             if self._device:
-                body = [_device_for_connection(body[0], conn)]
+                body = [_device_for_connection(body[0], self._conn)]
             out.add(sent.tag, body, sum(buffer_nbytes(b) for b in body))
-            return
-        # Body type 1: the buffers go into the arena (once, for a resident placement), the client gets
-        # where they are. What is queued goes first: the client must see the metadata before the pairs.
+            return None
+        return self._send_pairs(out, sent, metadata, body, self._placements)
+
+    async def _send_pairs(
+        self, out: Outbox, sent: ServerMessage, metadata: Any, body: list[Any], placements: Placements
+    ) -> None:
+        """Body type 1: the buffers go into the arena (once, for a resident placement), the client gets where
+        they are. What is queued goes first: the client must see the metadata before the pairs."""
+        conn = self._conn
         await out.flush()
         pairs = await placements.acquire(
             conn,

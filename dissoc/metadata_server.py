@@ -25,7 +25,7 @@ class MetadataPart(StreamPart):
     def schema(self, out: Outbox, header: bytes, metadata: Any) -> None:
         out.add(None, [header, metadata], len(metadata) + len(header))
 
-    async def message(self, out: Outbox, sent: ServerMessage, metadata: Any, body: list[Any]) -> None:
+    def message(self, out: Outbox, sent: ServerMessage, metadata: Any, body: list[Any]) -> None:
         out.add(None, [sent.header, metadata], len(metadata) + len(sent.header))
 
     def end(self, out: Outbox, stream: ServerStream) -> None:

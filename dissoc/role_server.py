@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 import enum
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -94,10 +94,10 @@ class Outbox:
             frames, self._frames, self._bytes = self._frames, [], 0
             await self.conn.send_many(frames)
 
-    async def message_done(self) -> None:
-        """One message's frames are queued: write them now unless coalescing and under the limits."""
-        if not self._coalesce or self._bytes >= _COALESCE_BYTES or len(self._frames) >= _COALESCE_MESSAGES:
-            await self.flush()
+    def due(self) -> bool:
+        """Whether what is queued should be written now (after each message unless coalescing, else once
+        the limits are reached)."""
+        return not self._coalesce or self._bytes >= _COALESCE_BYTES or len(self._frames) >= _COALESCE_MESSAGES
 
 
 class StreamPart(abc.ABC):
@@ -107,8 +107,12 @@ class StreamPart(abc.ABC):
         """The Schema message (sequence number 0; it has no body)."""
 
     @abc.abstractmethod
-    async def message(self, out: Outbox, sent: ServerMessage, metadata: Any, body: list[Any]) -> None:
-        """One message after the schema, numbered by ``sent``."""
+    def message(
+        self, out: Outbox, sent: ServerMessage, metadata: Any, body: list[Any]
+    ) -> Awaitable[None] | None:
+        """One message after the schema, numbered by ``sent``: queued on ``out`` at once (None), or by the
+        awaitable returned (a part that must wait, e.g. for room in an arena; most messages need none, and
+        this is the per-message path)."""
 
     def end(self, out: Outbox, stream: ServerStream) -> None:  # noqa: B027 (optional hook)
         """Every message was handed over."""
@@ -139,8 +143,11 @@ async def stream_dataset(
                 continue
             sent = stream.message(metadata, with_body)
             for part in parts:
-                await part.message(out, sent, metadata, body)
-            await out.message_done()
+                waiting = part.message(out, sent, metadata, body)
+                if waiting is not None:
+                    await waiting
+            if out.due():
+                await out.flush()
         count = stream.next_seq
         for part in parts:
             part.end(out, stream)
