@@ -62,8 +62,6 @@ class MessageType(enum.IntEnum):
 _KNOWN_TYPES = "0x00 (end of stream), 0x01 (IPC metadata) or 0xe0 (error)"
 
 
-
-
 @dataclass(frozen=True, slots=True)
 class EndOfStream:
     """Type 0: the server has sent every metadata message; ``seq`` is the count sent (modulo 2**32)."""
