@@ -24,6 +24,27 @@ __all__ = ["main"]
 log = logging.getLogger("dissoc")
 
 
+def _port(text: str) -> int:
+    """A TCP/UDP port number, 0..65535 (0 picks a free one); anything else is a usage error."""
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is out of range (0-65535; 0 picks a free one)")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dissoc", description="Arrow Dissociated IPC: serve and fetch Arrow data."
@@ -39,8 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--transport", choices=["tcp", "ucx"], default="tcp")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=0, help="metadata (or combined) port; 0 picks a free one")
-    s.add_argument("--data-port", type=int, default=0, help="data port with --split; 0 picks a free one")
+    s.add_argument("--port", type=_port, default=0, help="metadata (or combined) port; 0 picks a free one")
+    s.add_argument("--data-port", type=_port, default=0, help="data port with --split; 0 picks a free one")
     s.add_argument("--split", action="store_true", help="metadata and data streams on two servers")
     s.add_argument("--body", choices=["packed", "pairs"], default="packed")
     s.add_argument(
@@ -48,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--arena-mib",
-        type=int,
+        type=_positive_int,
         default=1024,
         metavar="MIB",
         help="with --body pairs: size of the memory arena pairs point into (default 1024)",
@@ -68,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--flight",
-        type=int,
+        type=_port,
         default=None,
         metavar="PORT",
         help="also run an Arrow Flight control plane on this port (0 picks a free one)",

@@ -177,6 +177,13 @@ def test_serve_missing_file_exits_1_without_traceback(tmp_path: Path) -> None:
         ["serve"],
         ["serve", "--transport", "carrier-pigeon", "x.arrow"],
         ["serve", "--port", "not-a-port", "x.arrow"],
+        # out of range: a port that the OS would wrap (70000 -> 4464) or take as "any" (65536) is refused
+        ["serve", "--port", "70000", "x.arrow"],
+        ["serve", "--port", "65536", "x.arrow"],
+        ["serve", "--port", "-1", "x.arrow"],
+        ["serve", "--split", "--data-port", "65536", "x.arrow"],
+        ["serve", "--flight", "70000", "x.arrow"],
+        ["serve", "--body", "pairs", "--arena-mib", "0", "x.arrow"],
         ["frobnicate"],
         ["get", "tcp://127.0.0.1:1?want_data=1", "t", "--no-such-flag"],
     ],
