@@ -11,8 +11,11 @@ join a metadata server's stream with a data server's.
 from __future__ import annotations
 
 import abc
+import asyncio
+import contextlib
 import enum
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,9 +25,10 @@ import pyarrow as pa
 from dissoc.buffers import BytesLike
 from dissoc.datasets import Catalog, Dataset
 from dissoc.datasets.messages import dataset_messages, same_every_time
-from dissoc.errors import DissocError, TransportError
+from dissoc.errors import DissocError, ResourceError, TransportError
 from dissoc.protocol import ERROR_TAG, ServerMessage, ServerStream, encode_error, fmt_seq, fmt_tag
-from dissoc.transport import Connection, Listener, serve
+from dissoc.transport import Connection, Listener, TaggedMessage, serve
+from dissoc.transport.base import peer_log
 from dissoc.uri import DissocURI
 
 if TYPE_CHECKING:
@@ -32,7 +36,18 @@ if TYPE_CHECKING:
     from dissoc.memory.placements import Placements
     from dissoc.protocol.ledger import Ledger
 
-__all__ = ["Outbox", "Role", "RoleServer", "ServeOptions", "StreamPart", "stream_dataset"]
+__all__ = [
+    "DEFAULT_IDLE_TIMEOUT",
+    "DEFAULT_MAX_FREE_DATA_BYTES",
+    "DEFAULT_MAX_TICKET_BYTES",
+    "DEFAULT_WANT_DATA_TIMEOUT",
+    "Outbox",
+    "Role",
+    "RoleServer",
+    "ServeOptions",
+    "StreamPart",
+    "stream_dataset",
+]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +58,16 @@ class Role(enum.Enum):
     METADATA = "metadata"
     DATA = "data"
     COMBINED = "combined"
+
+
+#: Largest want_data payload (ticket) a server reads (64 KiB).
+DEFAULT_MAX_TICKET_BYTES = 64 << 10
+#: Largest free_data payload a server reads (8 MiB: 1 Mi ranges of 8 bytes).
+DEFAULT_MAX_FREE_DATA_BYTES = 8 << 20
+#: Seconds a client has to send a complete want_data after connecting (and to finish any request it began).
+DEFAULT_WANT_DATA_TIMEOUT = 10.0
+#: Seconds a connection may sit with no request, no stream and no listed ranges held.
+DEFAULT_IDLE_TIMEOUT = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +86,15 @@ class ServeOptions:
     ledger: Ledger | None = None
     served: ServedArena | None = None  # what the data URI publishes (the arena's name, handle, memory kind)
     placements: Placements | None = None
+    #: Largest want_data payload (ticket) read; a larger one is refused from its frame header.
+    max_ticket_bytes: int = DEFAULT_MAX_TICKET_BYTES
+    #: Largest free_data payload read; a larger one is refused from its frame header.
+    max_free_data_bytes: int = DEFAULT_MAX_FREE_DATA_BYTES
+    #: Seconds to send a complete want_data after connecting, or to finish a request begun later (None: no
+    #: deadline).
+    want_data_timeout: float | None = DEFAULT_WANT_DATA_TIMEOUT
+    #: Seconds a connection may sit with no request, no stream and no listed ranges held (None: forever).
+    idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT
 
     @property
     def pairs(self) -> bool:
@@ -171,11 +205,30 @@ def _error(stream: ServerStream, code: str, message: str) -> bytes:
         return encode_error(stream.next_seq, code, message)
 
 
+class _Watch:
+    """Where one connection stands, for the deadlines (see :meth:`RoleServer._check_deadlines`)."""
+
+    __slots__ = ("first", "frame", "frame_since", "since", "streaming")
+
+    def __init__(self, now: float) -> None:
+        self.first = True  # no want_data received yet
+        self.streaming = False
+        self.since = now  # connected, or the last stream ended
+        self.frame: object | None = None  # the partly received frame seen last
+        self.frame_since = now
+
+
 class RoleServer(abc.ABC):
     """A listener whose connections carry the streams of one role (base of the metadata and data servers).
 
     A connection's life: wait for want_data, answer with the stream of the ticket it names, wait again,
     until the peer leaves. Subclasses say which parts of a stream they send (:meth:`parts`).
+
+    Hostile or silent clients (see :class:`ServeOptions`): a want_data or free_data frame larger than its
+    limit is refused from its header (logged, rate-limited; answered with a ``request_too_large`` error when
+    the transport can still send; the connection dropped); a connection that sends no complete want_data
+    within ``want_data_timeout`` of connecting, leaves a later request unfinished that long, or sits idle
+    (no request, no stream, no listed ranges held) for ``idle_timeout`` is dropped (logged at debug level).
     """
 
     role: Role = Role.COMBINED
@@ -197,6 +250,9 @@ class RoleServer(abc.ABC):
         self._port = port
         self._transport_options = transport_options
         self._listener: Listener | None = None
+        self._watched: dict[Connection, _Watch] = {}
+        self._ticker: asyncio.TimerHandle | None = None
+        self._drops: set[asyncio.Task[None]] = set()
 
     @abc.abstractmethod
     def parts(self, conn: Connection, dataset: Dataset, current: Callable[[], bool]) -> list[StreamPart]:
@@ -213,29 +269,123 @@ class RoleServer(abc.ABC):
             log.info("%s server listening on %s:%d", self.role.value, self.host, self.port)
 
     async def serve_connection(self, conn: Connection) -> None:
-        """Answer ``conn``'s want_data requests until the peer leaves."""
+        """Answer ``conn``'s want_data requests until the peer leaves (or breaks a limit or deadline)."""
+        options = self.options
+        conn.limit_tag(options.want_data, options.max_ticket_bytes)
+        if options.free_data is not None:
+            conn.limit_tag(options.free_data, options.max_free_data_bytes)
+        watch = self._watch(conn)
+        try:
+            await self._serve_requests(conn, watch)
+        finally:
+            self._watched.pop(conn, None)
+
+    async def _serve_requests(self, conn: Connection, watch: _Watch | None) -> None:
         while True:
             try:
                 request = await conn.recv_tagged(self.options.want_data)
+            except ResourceError as e:
+                await self._refuse(conn, e)
+                return
             except TransportError:
                 return
-            ticket = bytes(request.view())
-            log.debug("want_data tag=%s ticket=%r on %s", fmt_tag(request.tag), ticket[:64], conn.description)
+            if watch is not None:
+                watch.first = False
+                watch.streaming = True
             try:
-                dataset = self.catalog.get(ticket)
-            except DissocError as e:
-                await self.send_error(conn, encode_error(0, "unknown_ticket", str(e)))
+                await self._answer(conn, request)
+            finally:
+                if watch is not None:
+                    watch.streaming = False
+                    watch.since = time.monotonic()
+
+    async def _answer(self, conn: Connection, request: TaggedMessage) -> None:
+        """One want_data request: the ticket's stream, or an error."""
+        ticket = bytes(request.view())
+        log.debug("want_data tag=%s ticket=%r on %s", fmt_tag(request.tag), ticket[:64], conn.description)
+        try:
+            dataset = self.catalog.get(ticket)
+        except DissocError as e:
+            await self.send_error(conn, encode_error(0, "unknown_ticket", str(e)))
+            return
+        out = Outbox(conn, coalesce=same_every_time(dataset))
+        # Taken before the first await: the dataset is the one the catalog just gave.
+        parts = self.parts(conn, dataset, _served_now(self.catalog, dataset))
+        await stream_dataset(
+            out,
+            dataset,
+            parts,
+            compression=self.options.compression,
+            send_error=lambda message: self.send_error(conn, message),
+        )
+
+    async def _refuse(self, conn: Connection, error: ResourceError) -> None:
+        """A request over a limit: log it (rate-limited), tell the client if the connection still sends, and
+        end the connection (the caller returns)."""
+        peer_log.log(logging.WARNING, ("refused", type(error)), "refusing %s: %s", conn.description, error)
+        with contextlib.suppress(DissocError, TimeoutError):
+            async with asyncio.timeout(1.0):
+                await self.send_error(conn, encode_error(0, "request_too_large", str(error)))
+
+    # ------------------------------------------------------------------------------------------- deadlines
+
+    def _watch(self, conn: Connection) -> _Watch | None:
+        options = self.options
+        if options.want_data_timeout is None and options.idle_timeout is None:
+            return None
+        watch = _Watch(time.monotonic())
+        self._watched[conn] = watch
+        if self._ticker is None:
+            self._schedule_tick()
+        return watch
+
+    def _tick_seconds(self) -> float:
+        timeouts = [t for t in (self.options.want_data_timeout, self.options.idle_timeout) if t is not None]
+        return min(1.0, max(0.05, min(timeouts) / 4))
+
+    def _schedule_tick(self) -> None:
+        self._ticker = asyncio.get_running_loop().call_later(self._tick_seconds(), self._tick)
+
+    def _tick(self) -> None:
+        self._ticker = None
+        self._check_deadlines(time.monotonic())
+        if self._watched:
+            self._schedule_tick()
+
+    def _holds_ranges(self, conn: Connection) -> bool:
+        ledger = self.options.ledger
+        return ledger is not None and ledger.live_bytes_of(conn) > 0
+
+    def _check_deadlines(self, now: float) -> None:
+        """Drop the connections past a deadline: no complete want_data ``want_data_timeout`` after connecting,
+        a request begun and unfinished that long, or idle (nothing held) for ``idle_timeout``."""
+        want_data_timeout = self.options.want_data_timeout
+        idle_timeout = self.options.idle_timeout
+        for conn, watch in list(self._watched.items()):
+            if watch.streaming or conn.closed:
                 continue
-            out = Outbox(conn, coalesce=same_every_time(dataset))
-            # Taken before the first await: the dataset is the one the catalog just gave.
-            parts = self.parts(conn, dataset, _served_now(self.catalog, dataset))
-            await stream_dataset(
-                out,
-                dataset,
-                parts,
-                compression=self.options.compression,
-                send_error=lambda message: self.send_error(conn, message),
-            )
+            reason = ""
+            if watch.first:
+                if want_data_timeout is not None and now - watch.since > want_data_timeout:
+                    reason = f"no complete want_data within {want_data_timeout} s of connecting"
+            else:
+                frame = conn.idle_frame()
+                if frame is None or frame != watch.frame:
+                    watch.frame = frame
+                    watch.frame_since = now
+                elif want_data_timeout is not None and now - watch.frame_since > want_data_timeout:
+                    reason = f"a request left unfinished for {want_data_timeout} s"
+                if not reason and idle_timeout is not None:
+                    if self._holds_ranges(conn):
+                        watch.since = now  # a client holding listed ranges will send free_data later
+                    elif now - watch.since > idle_timeout:
+                        reason = f"idle for {idle_timeout} s"
+            if reason:
+                log.debug("dropping %s: %s", conn.description, reason)
+                del self._watched[conn]
+                task = asyncio.get_running_loop().create_task(conn.close())
+                self._drops.add(task)
+                task.add_done_callback(self._drops.discard)
 
     async def send_error(self, conn: Connection, message: bytes) -> None:
         """Errors go on the metadata stream; a data-only connection carries them as a tagged ERROR_TAG
@@ -272,6 +422,9 @@ class RoleServer(abc.ABC):
         )
 
     async def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
         if self._listener is not None:
             listener, self._listener = self._listener, None
             listener.close()

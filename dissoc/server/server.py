@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from dissoc.data_server import DataServer
 from dissoc.datasets import Catalog, Dataset
@@ -21,17 +21,35 @@ from dissoc.memory.placements import Placements
 from dissoc.memory.shm import ShmArena
 from dissoc.metadata_server import MetadataServer
 from dissoc.protocol.ledger import Ledger
-from dissoc.role_server import RoleServer, ServeOptions
+from dissoc.role_server import (
+    DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_MAX_FREE_DATA_BYTES,
+    DEFAULT_MAX_TICKET_BYTES,
+    DEFAULT_WANT_DATA_TIMEOUT,
+    RoleServer,
+    ServeOptions,
+)
 from dissoc.server.combined import CombinedServer
+from dissoc.transport.base import ReceiveBudget, default_max_connections
 from dissoc.uri import DissocURI
 
-__all__ = ["DEFAULT_FREE_DATA", "DEFAULT_WANT_DATA", "Server"]
+__all__ = [
+    "DEFAULT_FREE_DATA",
+    "DEFAULT_MAX_CONNECTIONS_PER_PEER",
+    "DEFAULT_MAX_RECEIVING_BYTES",
+    "DEFAULT_WANT_DATA",
+    "Server",
+]
 
 log = logging.getLogger(__name__)
 
 #: The want_data and free_data tag values a server advertises unless told otherwise ("WANT", "FREE").
 DEFAULT_WANT_DATA = 0x57414E54
 DEFAULT_FREE_DATA = 0x46524545
+#: Connections one peer address may have open at once, per listening port.
+DEFAULT_MAX_CONNECTIONS_PER_PEER = 64
+#: Bytes being received (or received and not yet taken) across all of a server's connections.
+DEFAULT_MAX_RECEIVING_BYTES = 1 << 30
 
 
 class Server:
@@ -46,6 +64,19 @@ class Server:
     placed once and stays there, listed to every client that asks with no further copy, until the arena
     needs the room for something else and no client holds it (:attr:`placements`); ``resident=False`` places
     a copy per request, freed when the client frees it.
+
+    What clients may hold (None turns a bound off):
+
+    - ``max_connections`` open at once, ``"auto"``: :func:`~dissoc.transport.base.default_max_connections`,
+      ``min(1024, max(soft - 64, soft // 2))`` for the soft file-descriptor limit (shared out between the two
+      ports when split); at the bound accepting pauses until one closes (UCX: new ones are refused);
+    - ``max_connections_per_peer`` (64) from one address per port: one more is accepted and closed at once;
+    - ``want_data_timeout`` (10 s) to send a complete want_data after connecting, or to finish a request
+      begun later; ``idle_timeout`` (300 s) with no request, no stream and no listed ranges held;
+    - ``max_ticket_bytes`` (64 KiB) and ``max_free_data_bytes`` (8 MiB): larger want_data and free_data
+      payloads are refused from their frame header, before they are read;
+    - ``max_receiving_bytes`` (1 GiB) being received, or received and not yet taken, across all connections:
+      a message that would go past it fails its connection (nothing is allocated for it).
     """
 
     def __init__(
@@ -64,6 +95,13 @@ class Server:
         memory: str | None = None,
         arena_bytes: int = 1 << 30,
         resident: bool = True,
+        max_connections: int | Literal["auto"] | None = "auto",
+        max_connections_per_peer: int | None = DEFAULT_MAX_CONNECTIONS_PER_PEER,
+        want_data_timeout: float | None = DEFAULT_WANT_DATA_TIMEOUT,
+        idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
+        max_ticket_bytes: int = DEFAULT_MAX_TICKET_BYTES,
+        max_free_data_bytes: int = DEFAULT_MAX_FREE_DATA_BYTES,
+        max_receiving_bytes: int | None = DEFAULT_MAX_RECEIVING_BYTES,
         **transport_options: Any,
     ) -> None:
         self.catalog = Catalog()
@@ -95,7 +133,29 @@ class Server:
             ledger=self.ledger,
             served=self.served,
             placements=self.placements,
+            max_ticket_bytes=max_ticket_bytes,
+            max_free_data_bytes=max_free_data_bytes,
+            want_data_timeout=want_data_timeout,
+            idle_timeout=idle_timeout,
         )
+        for name, value in (
+            ("want_data_timeout", want_data_timeout),
+            ("idle_timeout", idle_timeout),
+        ):
+            if value is not None and value <= 0:
+                raise DissocError(f"{name} must be > 0 (or None), got {value!r}")
+        if max_ticket_bytes < 0 or max_free_data_bytes < 0:
+            raise DissocError("max_ticket_bytes and max_free_data_bytes must be >= 0")
+        if max_connections == "auto":
+            max_connections = max(1, default_max_connections() // (2 if split else 1))
+        #: Shared by every connection of this server (both ports when split).
+        self.receive_budget = ReceiveBudget(max_receiving_bytes) if max_receiving_bytes is not None else None
+        transport_options = {
+            "max_connections": max_connections,
+            "max_connections_per_peer": max_connections_per_peer,
+            "receive_budget": self.receive_budget,
+            **transport_options,
+        }
         self.split = split
         self._servers: list[RoleServer]
         if split:

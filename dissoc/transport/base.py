@@ -25,6 +25,8 @@ import abc
 import asyncio
 import copy
 import logging
+import resource
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
@@ -46,10 +48,15 @@ __all__ = [
     "Handler",
     "Listener",
     "MessageTooLargeError",
+    "RateLimitedLog",
+    "ReceiveBudget",
+    "ReceiveBudgetError",
     "SendData",
+    "TagLimitError",
     "TaggedMessage",
     "as_views",
     "check_u64",
+    "default_max_connections",
     "fresh_error",
 ]
 
@@ -81,6 +88,89 @@ class MessageTooLargeError(TransportError, ResourceError):
 
 class BufferLimitError(TransportError, ResourceError):
     """Unclaimed received messages exceeded the buffer budget while a consumer waited for another one."""
+
+
+class TagLimitError(TransportError, ResourceError):
+    """The peer announced a tagged message larger than the limit set for its tag
+    (:meth:`Connection.limit_tag`); nothing was allocated for it and nothing more is read from the peer."""
+
+
+class ReceiveBudgetError(TransportError, ResourceError):
+    """A message would take the bytes being received across a server's connections past its
+    :class:`ReceiveBudget`; nothing was allocated for it and nothing more is read from the peer."""
+
+
+class ReceiveBudget:
+    """Bytes being received, or received and not yet claimed, across all the connections that share it (a
+    server's, through its listener).
+
+    A connection reserves a message's length before it allocates the payload and gives it back when a
+    consumer claims the message, or when the connection closes (held messages and a partly received payload
+    are dropped then). A message that does not fit fails its connection with :class:`ReceiveBudgetError`
+    rather than waiting: a server only receives small requests, so a peer that needs more is misbehaving.
+    """
+
+    __slots__ = ("max_bytes", "used")
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.used = 0
+
+
+class RateLimitedLog:
+    """At most one line per kind per ``interval`` seconds; the next line says how many were left out.
+
+    ``kind`` is any hashable (a string naming what happened); a hostile peer repeating a failure cannot fill
+    the log, and a kind that is never repeated costs one dict entry.
+    """
+
+    def __init__(self, logger: logging.Logger, interval: float = 5.0) -> None:
+        self._logger = logger
+        self._interval = interval
+        self._last: dict[object, float] = {}
+        self._suppressed: dict[object, int] = {}
+
+    def log(self, level: int, kind: object, msg: str, *args: object) -> bool:
+        """Log ``msg % args`` at ``level`` unless a line of ``kind`` was logged less than ``interval`` ago;
+        returns whether it was logged."""
+        if not self._logger.isEnabledFor(level):
+            return False
+        now = time.monotonic()
+        last = self._last.get(kind)
+        if last is not None and now - last < self._interval:
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return False
+        self._last[kind] = now
+        suppressed = self._suppressed.pop(kind, 0)
+        if suppressed:
+            self._logger.log(
+                level,
+                msg + " (%d more like this in the last %.0f s not logged)",
+                *args,
+                suppressed,
+                now - last if last is not None else 0.0,
+            )
+        else:
+            self._logger.log(level, msg, *args)
+        return True
+
+
+#: Rate-limited logging of what peers cause (failures they can repeat at will).
+peer_log = RateLimitedLog(logger)
+
+
+def default_max_connections() -> int:
+    """A server's default bound on open connections: below the process's file-descriptor limit.
+
+    ``min(1024, max(soft - 64, soft // 2))`` for the soft ``RLIMIT_NOFILE`` (1024 when unlimited), at least
+    1: the rest of the descriptors stay for the process itself (arenas, files it serves, logs).
+    """
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return 1024
+    return max(1, min(1024, max(soft - 64, soft // 2)))
 
 
 def check_u64(value: int, what: str) -> None:
@@ -127,6 +217,7 @@ class Connection(abc.ABC):
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
         allocator: Allocator | None = None,
         description: str = "",
+        receive_budget: ReceiveBudget | None = None,
     ) -> None:
         if max_message_bytes < 0:
             raise ValueError(f"max_message_bytes must be >= 0, got {max_message_bytes}")
@@ -145,6 +236,9 @@ class Connection(abc.ABC):
         self._paused_by_owner = False
         self._error: DissocError | None = None
         self._closed = False
+        self._tag_limits: dict[int, int] = {}
+        self._budget = receive_budget
+        self._reserved = 0
 
     # ----------------------------------------------------------------------------------------------- public
 
@@ -182,6 +276,29 @@ class Connection(abc.ABC):
         """
         self._allocator = allocator if allocator is not None else default_allocator
 
+    def limit_tag(self, tag: int, max_bytes: int | None) -> None:
+        """Accept tagged messages of exactly ``tag`` only up to ``max_bytes`` of payload (None: no limit but
+        ``max_message_bytes``).
+
+        Checked from the frame header (or the transport's probe) before anything is allocated or read: a
+        larger one fails the connection with :class:`TagLimitError` and nothing more is read from the peer
+        (sends still work, so the owner may answer before it closes). A server sets it for the small requests
+        it takes (want_data tickets, free_data lists).
+        """
+        check_u64(tag, "tag")
+        if max_bytes is None:
+            self._tag_limits.pop(tag, None)
+        elif max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        else:
+            self._tag_limits[tag] = max_bytes
+
+    def idle_frame(self) -> object | None:
+        """None when no frame is partly received; else a token that stays the same while the same frame is
+        still incomplete (a server drops a peer that takes too long to finish one). Transports that cannot
+        tell return None."""
+        return None
+
     async def send(self, data: SendData) -> None:
         """Send one untagged message: ``data`` is a buffer or a list/tuple of buffers, gathered, not copied.
 
@@ -217,6 +334,8 @@ class Connection(abc.ABC):
         if self._untagged:
             message = self._untagged.popleft()
             self._buffered -= len(message)
+            if self._budget is not None:
+                self._unreserve(len(message))
             self._on_flow()
             return message
         if self._error is not None:
@@ -247,6 +366,8 @@ class Connection(abc.ABC):
         held = self._held.take(tag, mask)
         if held is not None:
             self._buffered -= held.nbytes
+            if self._budget is not None:
+                self._unreserve(held.nbytes)
             self._on_flow()
             return held.message
         if self._error is not None:
@@ -298,6 +419,50 @@ class Connection(abc.ABC):
     @abc.abstractmethod
     async def _close_transport(self) -> None:
         """Release the transport (called once, by :meth:`close`, after the inbox was failed)."""
+
+    def _check_tag_limit(self, tag: int, length: int) -> None:
+        """:class:`TagLimitError` if ``length`` is over the limit set for ``tag``."""
+        limit = self._tag_limits.get(tag)
+        if limit is not None and length > limit:
+            raise TagLimitError(
+                f"{self._description}: the peer announced a tagged message {tag:#018x} of {length} bytes; "
+                f"the limit for this tag is {limit} bytes"
+            )
+
+    def _reserve(self, length: int) -> None:
+        """Take ``length`` bytes of the shared receive budget before allocating a message (no-op without
+        one); :class:`ReceiveBudgetError` when it does not fit."""
+        budget = self._budget
+        if budget is not None:
+            if length and budget.used + length > budget.max_bytes:
+                raise ReceiveBudgetError(
+                    f"{self._description}: the peer sent a message of {length} bytes while {budget.used} "
+                    "bytes are being received across the server's connections; the limit "
+                    f"(max_receiving_bytes) is {budget.max_bytes}"
+                )
+            budget.used += length
+            self._reserved += length
+
+    def _unreserve(self, length: int) -> None:
+        """Give back ``length`` bytes of the receive budget (a message was claimed or dropped)."""
+        budget = self._budget
+        if budget is not None:
+            length = min(length, self._reserved)
+            self._reserved -= length
+            budget.used -= length
+
+    def _rereserve(self, length: int) -> None:
+        """A claimed message is held again (its consumer was cancelled): count it again, unchecked."""
+        budget = self._budget
+        if budget is not None:
+            budget.used += length
+            self._reserved += length
+
+    def _unreserve_all(self) -> None:
+        budget = self._budget
+        if budget is not None:
+            budget.used -= self._reserved
+            self._reserved = 0
 
     def _on_flow(self) -> None:  # noqa: B027 - optional hook
         """Called when buffered bytes went down or a consumer started waiting: a paused reader may go on."""
@@ -396,6 +561,8 @@ class Connection(abc.ABC):
             future = waiters.popleft()
             if not future.done():
                 future.set_result(message)
+                if self._budget is not None:
+                    self._unreserve(len(message))
                 return
         self._untagged.append(message)
         self._buffered += len(message)
@@ -406,6 +573,8 @@ class Connection(abc.ABC):
         waiter = self._tag_waiters.pop_match(tag)
         if waiter is not None:
             waiter.future.set_result(held)
+            if self._budget is not None:
+                self._unreserve(nbytes)
             return
         self._held.add(held.message, nbytes)
         self._buffered += nbytes
@@ -420,6 +589,7 @@ class Connection(abc.ABC):
                 return
         self._untagged.appendleft(message)
         self._buffered += len(message)
+        self._rereserve(len(message))
 
     def _give_back_tagged(self, held: Held) -> None:
         """As :meth:`_give_back_untagged`, for a tagged message."""
@@ -429,10 +599,16 @@ class Connection(abc.ABC):
             return
         self._held.add(held.message, held.nbytes, front=True)
         self._buffered += held.nbytes
+        self._rereserve(held.nbytes)
 
     def _fail(self, exc: DissocError, *, drop_held: bool = False) -> None:
         """Record the first error and raise it in all blocked consumers; held messages stay unless dropped."""
         if self._error is None:
+            # Stored without its traceback and chained exceptions: their frames would reference this
+            # connection (and the payload being read), a cycle that only the garbage collector breaks.
+            exc.__traceback__ = None
+            exc.__context__ = None
+            exc.__cause__ = None
             self._error = exc
             if not drop_held:
                 logger.debug("%s failed: %s", self._description, exc)
@@ -449,6 +625,7 @@ class Connection(abc.ABC):
             self._untagged.clear()
             self._held.clear()
             self._buffered = 0
+            self._unreserve_all()
 
 
 class Listener(abc.ABC):
@@ -456,15 +633,36 @@ class Listener(abc.ABC):
 
     When a handler returns (or raises), its connection is closed. :meth:`close` stops accepting and closes the
     open connections (their handlers then see ``TransportError``); :meth:`wait_closed` waits for the handlers.
+
+    ``max_connections`` bounds the connections open at once (counted until each is closed): at the bound a
+    transport stops accepting until one closes, or refuses new ones where it cannot pause (UCX).
+    ``max_connections_per_peer`` bounds those from one peer address: one more is accepted and closed at once.
+    None: no bound.
     """
 
     scheme: str = ""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        max_connections: int | None = None,
+        max_connections_per_peer: int | None = None,
+    ) -> None:
+        for name, value in (
+            ("max_connections", max_connections),
+            ("max_connections_per_peer", max_connections_per_peer),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self._handler = handler
         self._tasks: set[asyncio.Task[None]] = set()
         self._connections: set[Connection] = set()
         self._closing = False
+        self._max_connections = max_connections
+        self._max_per_peer = max_connections_per_peer
+        self._open = 0  # connections started and not yet closed
+        self._per_peer: dict[str, int] = {}
 
     @property
     @abc.abstractmethod
@@ -496,24 +694,61 @@ class Listener(abc.ABC):
         """True until :meth:`close`."""
         return not self._closing
 
-    def _start_handler(self, connection: Connection) -> None:
+    @property
+    def open_connections(self) -> int:
+        """Connections accepted and not yet closed (what ``max_connections`` bounds)."""
+        return self._open
+
+    def _full(self) -> bool:
+        """Whether ``max_connections`` connections are open (accept no more until one closes)."""
+        return self._max_connections is not None and self._open >= self._max_connections
+
+    def _peer_full(self, peer: str) -> bool:
+        """Whether ``peer`` already has ``max_connections_per_peer`` connections open."""
+        return self._max_per_peer is not None and self._per_peer.get(peer, 0) >= self._max_per_peer
+
+    def _connection_closed(self) -> None:  # noqa: B027 - optional hook
+        """Called after a connection closed (room for another: a paused accept may go on)."""
+
+    def _start_handler(self, connection: Connection, peer: str | None = None) -> None:
         self._connections.add(connection)
-        task = asyncio.get_running_loop().create_task(self._run_handler(connection))
+        self._open += 1
+        if peer is not None:
+            self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+        task = asyncio.get_running_loop().create_task(self._run_handler(connection, peer))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run_handler(self, connection: Connection) -> None:
+    async def _run_handler(self, connection: Connection, peer: str | None = None) -> None:
         try:
             await self._handler(connection)
         except asyncio.CancelledError:
             logger.debug("handler for %s cancelled", connection.description)
         except DissocError as exc:
-            logger.info("handler for %s ended with %s: %s", connection.description, type(exc).__name__, exc)
+            peer_log.log(
+                logging.INFO,
+                ("handler", type(exc)),
+                "handler for %s ended with %s: %s",
+                connection.description,
+                type(exc).__name__,
+                exc,
+            )
         except Exception:
             logger.exception("handler for %s failed", connection.description)
         finally:
             self._connections.discard(connection)
-            await connection.close()
+            try:
+                await connection.close()
+            finally:
+                self._open -= 1
+                if peer is not None:
+                    left = self._per_peer[peer] - 1
+                    if left:
+                        self._per_peer[peer] = left
+                    else:
+                        del self._per_peer[peer]
+                if not self._closing:
+                    self._connection_closed()
 
     @abc.abstractmethod
     def _stop_accepting(self) -> None:

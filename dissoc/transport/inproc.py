@@ -32,6 +32,7 @@ from dissoc.transport.base import (
     Handler,
     Listener,
     MessageTooLargeError,
+    ReceiveBudget,
     fresh_error,
 )
 from dissoc.transport.registry import register_transport
@@ -158,6 +159,14 @@ class _Channel:
                 )
             )
             raise TransportError(f"{self.sender.description}: the peer rejected a {what} of {total} bytes")
+        if tagged and rx._tag_limits:
+            try:
+                rx._check_tag_limit(tag, total)
+            except DissocError as exc:
+                rx._teardown(exc)
+                raise TransportError(
+                    f"{self.sender.description}: the peer rejected a {what} of {total} bytes"
+                ) from None
         index = self.stats.messages
         reason = ""
         if faults.cut_after_messages is not None and index >= faults.cut_after_messages:
@@ -246,6 +255,8 @@ class _Channel:
             return
         self.stats.delivered += 1
         try:
+            if rx._budget is not None:
+                rx._reserve(len(payload))
             if tagged:
                 buffer, view = rx._allocate(tag, len(payload))
                 view[:] = payload
@@ -315,12 +326,14 @@ class MemoryConnection(Connection):
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
         allocator: Allocator | None = None,
         description: str = "mem",
+        receive_budget: ReceiveBudget | None = None,
     ) -> None:
         super().__init__(
             max_message_bytes=max_message_bytes,
             max_buffered_bytes=max_buffered_bytes,
             allocator=allocator,
             description=description,
+            receive_budget=receive_budget,
         )
         self._out: _Channel | None = None
         self._in: _Channel | None = None
@@ -438,6 +451,8 @@ class MemoryListener(Listener):
 
     ``to_client`` / ``to_server`` are the faults applied to each connection accepted here (unless the
     connecting side gives its own); a seeded generator is offset by the connection's number, so runs replay.
+    At ``max_connections`` a connect fails with :class:`~dissoc.errors.TransportError`; in-memory peers have
+    no address, so ``max_connections_per_peer`` is accepted and does nothing.
     """
 
     scheme = "mem"
@@ -453,8 +468,12 @@ class MemoryListener(Listener):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
         allocator: Allocator | None = None,
+        max_connections: int | None = None,
+        max_connections_per_peer: int | None = None,
+        receive_budget: ReceiveBudget | None = None,
     ) -> None:
-        super().__init__(handler)
+        super().__init__(handler, max_connections=max_connections)
+        del max_connections_per_peer
         self._loop = asyncio.get_running_loop()
         self._name = name
         self._port = port
@@ -464,6 +483,7 @@ class MemoryListener(Listener):
             "max_message_bytes": max_message_bytes,
             "max_buffered_bytes": max_buffered_bytes,
             "allocator": allocator,
+            "receive_budget": receive_budget,
         }
         self._accepted = 0
 
@@ -483,6 +503,11 @@ class MemoryListener(Listener):
         recv_faults: Faults | None,
         send_faults: Faults | None,
     ) -> MemoryConnection:
+        if self._full():
+            raise TransportError(
+                f"cannot connect to mem://{self._name}:{self._port}: {self.open_connections} connections are "
+                "open (max_connections)"
+            )
         number = self._accepted
         self._accepted += 1
         server = MemoryConnection(description=f"mem {self._name}#{number} server", **self._limits)
@@ -509,6 +534,9 @@ async def serve_memory(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
     allocator: Allocator | None = None,
+    max_connections: int | None = None,
+    max_connections_per_peer: int | None = None,
+    receive_budget: ReceiveBudget | None = None,
 ) -> MemoryListener:
     """Serve in memory under ``name`` (an empty name picks a fresh one); see :class:`MemoryListener`."""
     if not name:
@@ -525,6 +553,9 @@ async def serve_memory(
         max_message_bytes=max_message_bytes,
         max_buffered_bytes=max_buffered_bytes,
         allocator=allocator,
+        max_connections=max_connections,
+        max_connections_per_peer=max_connections_per_peer,
+        receive_budget=receive_budget,
     )
     _LISTENERS[name] = listener
     return listener

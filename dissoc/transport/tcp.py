@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import socket
 import struct
@@ -32,10 +33,14 @@ from dissoc.transport.base import (
     Handler,
     Listener,
     MessageTooLargeError,
+    ReceiveBudget,
+    ReceiveBudgetError,
     SendData,
+    TagLimitError,
     as_views,
     check_u64,
     fresh_error,
+    peer_log,
 )
 from dissoc.transport.registry import register_transport
 
@@ -73,6 +78,9 @@ _LOW_WATER = 1024 * 1024
 _READ_BUDGET = 16 * 1024 * 1024
 # sendmsg accepts at most IOV_MAX buffers (1024 on Linux).
 _IOV_MAX = 1024
+# After an accept failed for want of file descriptors (or kernel memory), accepting pauses this long.
+ACCEPT_BACKOFF = 0.5
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 def encode_header(tagged: bool, tag: int, length: int) -> bytes:
@@ -148,6 +156,7 @@ class TcpConnection(Connection):
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
         allocator: Allocator | None = None,
         staging_bytes: int = _STAGING_BYTES,
+        receive_budget: ReceiveBudget | None = None,
     ) -> None:
         try:
             local, remote = _endpoint(sock.getsockname()), _endpoint(sock.getpeername())
@@ -158,6 +167,7 @@ class TcpConnection(Connection):
             max_buffered_bytes=max_buffered_bytes,
             allocator=allocator,
             description=f"tcp {local}->{remote}",
+            receive_budget=receive_budget,
         )
         if staging_bytes < HEADER_SIZE:
             raise ValueError(f"staging_bytes must be at least {HEADER_SIZE}, got {staging_bytes}")
@@ -178,8 +188,10 @@ class TcpConnection(Connection):
         self._target_len = 0
         self._filled = 0
         self._paused = False
+        self._refused = False  # a frame over a limit was refused: nothing more is read
         self._resume_scheduled = False
         self._low_water = 1
+        self._frames = 0  # frame headers parsed (see idle_frame)
         # sending
         self._sending = False
         self._send_waiters: deque[asyncio.Future[None]] = deque()
@@ -310,7 +322,7 @@ class TcpConnection(Connection):
         try:
             self._read()
         finally:
-            if not self._closed:
+            if not self._closed and not self._refused:
                 self._set_low_water()
 
     def _set_low_water(self) -> None:
@@ -362,7 +374,7 @@ class TcpConnection(Connection):
         except (BlockingIOError, InterruptedError):
             return
         except DissocError as exc:
-            self._teardown(exc)
+            self._reader_failed(exc)
         except OSError as exc:
             self._teardown(TransportError(f"{self._description}: receiving failed {self._position()}: {exc}"))
         except Exception as exc:
@@ -395,7 +407,10 @@ class TcpConnection(Connection):
                     first, tag, length = _HEADER.unpack_from(stage, rpos)
                     if first != KIND_UNTAGGED or tag != 0 or length > self._max_message_bytes:
                         _check_header(first, tag, length, self._max_message_bytes, f"{self._description}: ")
+                        if self._tag_limits:
+                            self._check_tag_limit(tag, length)
                     rpos += HEADER_SIZE
+                    self._frames += 1
                     header = (first, tag, length)
                 else:
                     first, tag, length = header
@@ -404,6 +419,8 @@ class TcpConnection(Connection):
                     self._header = header
                     self._pause()
                     break
+                if self._budget is not None:
+                    self._reserve(length)
                 self._header = None
                 if not tagged and wpos - rpos >= length:
                     self._deliver_untagged(bytes(view[rpos : rpos + length]))
@@ -454,6 +471,14 @@ class TcpConnection(Connection):
             return f"in the middle of a frame ({staged} bytes staged, at least {HEADER_SIZE} expected)"
         return "between frames"
 
+    def idle_frame(self) -> object | None:
+        """A token for the frame partly received (header or payload), None between frames."""
+        if self._target is not None or self._header is not None:
+            return 2 * self._frames + 1
+        if self._wpos > self._rpos:
+            return 2 * self._frames
+        return None
+
     def _on_eof(self) -> None:
         position = self._position()
         if position == "between frames":
@@ -473,7 +498,7 @@ class TcpConnection(Connection):
             )
 
     def _on_flow(self) -> None:
-        if self._paused and not self._resume_scheduled and not self._closed:
+        if self._paused and not self._resume_scheduled and not self._closed and not self._refused:
             self._resume_scheduled = True
             self._loop.call_soon(self._try_resume)
 
@@ -490,11 +515,39 @@ class TcpConnection(Connection):
             logger.debug("%s: reading resumed", self._description)
             self._process()
         except DissocError as exc:
-            self._teardown(exc)
-        if not self._closed:
+            self._reader_failed(exc)
+        if not self._closed and not self._refused:
             self._set_low_water()
 
     # ------------------------------------------------------------------------------------------------ closing
+
+    def _reader_failed(self, exc: DissocError) -> None:
+        """A frame over a limit is refused (reading stops, sending goes on, so the owner may answer before
+        it closes); any other error tears the connection down."""
+        if isinstance(exc, TagLimitError | ReceiveBudgetError) and not self._closed:
+            self._refuse(exc)
+        else:
+            self._teardown(exc)
+
+    def _refuse(self, exc: DissocError) -> None:
+        if self._refused:
+            return
+        self._refused = True
+        self._fail(exc)
+        peer_log.log(logging.WARNING, type(exc), "%s", exc)
+        if not self._paused:
+            self._loop.remove_reader(self._fd)
+        self._paused = True
+        self._drop_target()
+
+    def _drop_target(self) -> None:
+        """Let go of a partly received payload (and its share of the receive budget)."""
+        if self._target is not None:
+            self._target = None
+            self._target_obj = None
+            self._unreserve(self._target_len)
+        self._header = None
+        self._rpos = self._wpos = 0
 
     def _teardown(self, exc: DissocError) -> None:
         """Fail the inbox with ``exc`` and release the socket (idempotent)."""
@@ -503,7 +556,7 @@ class TcpConnection(Connection):
         self._closed = True
         self._fail(exc)
         if isinstance(exc, FrameError | MessageTooLargeError):
-            logger.warning("%s", exc)
+            peer_log.log(logging.WARNING, type(exc), "%s", exc)
         else:
             logger.debug("%s torn down: %s", self._description, exc)
         self._loop.remove_reader(self._fd)
@@ -511,8 +564,7 @@ class TcpConnection(Connection):
         waiter = self._write_waiter
         if waiter is not None and not waiter.done():
             waiter.set_exception(self._closed_error("cannot send"))
-        self._target = None
-        self._target_obj = None
+        self._drop_target()
         with contextlib.suppress(OSError):
             self._sock.close()
 
@@ -522,7 +574,13 @@ class TcpConnection(Connection):
 
 
 class TcpListener(Listener):
-    """A listening TCP socket that runs a handler for each accepted :class:`TcpConnection`."""
+    """A listening TCP socket that runs a handler for each accepted :class:`TcpConnection`.
+
+    At ``max_connections`` the listening socket is taken off the event loop (new connections wait in the
+    kernel's backlog) until one closes; an accept that fails for want of file descriptors pauses accepting
+    for :data:`ACCEPT_BACKOFF` seconds. A peer address over ``max_connections_per_peer`` has its new
+    connection accepted and closed at once. What they log is rate-limited (one line per kind per 5 s).
+    """
 
     scheme = "tcp"
 
@@ -536,22 +594,30 @@ class TcpListener(Listener):
         allocator: Allocator | None = None,
         sndbuf: int | None = None,
         rcvbuf: int | None = None,
+        max_connections: int | None = None,
+        max_connections_per_peer: int | None = None,
+        receive_budget: ReceiveBudget | None = None,
     ) -> None:
-        super().__init__(handler)
+        super().__init__(
+            handler, max_connections=max_connections, max_connections_per_peer=max_connections_per_peer
+        )
         self._loop = asyncio.get_running_loop()
         self._sock = sock
         self._limits: dict[str, Any] = {
             "max_message_bytes": max_message_bytes,
             "max_buffered_bytes": max_buffered_bytes,
             "allocator": allocator,
+            "receive_budget": receive_budget,
         }
+        self._accepting = False
+        self._backoff: asyncio.TimerHandle | None = None
         self._sndbuf = sndbuf
         self._rcvbuf = rcvbuf
         name = sock.getsockname()
         self._host = str(name[0])
         self._port = int(name[1])
         sock.setblocking(False)
-        self._loop.add_reader(sock.fileno(), self._on_accept)
+        self._resume_accepting()
         logger.debug("listening on %s", self.address)
 
     @property
@@ -569,27 +635,98 @@ class TcpListener(Listener):
         """The listening socket(s)."""
         return (self._sock,)
 
+    def _pause_accepting(self, backoff: float | None = None) -> None:
+        """Take the listening socket off the loop: until a connection closes, or for ``backoff`` seconds."""
+        if self._accepting:
+            self._accepting = False
+            self._loop.remove_reader(self._sock.fileno())
+        if backoff is not None and self._backoff is None:
+            self._backoff = self._loop.call_later(backoff, self._end_backoff)
+
+    def _end_backoff(self) -> None:
+        self._backoff = None
+        self._resume_accepting()
+
+    def _resume_accepting(self) -> None:
+        if self._accepting or self._closing or self._backoff is not None or self._full():
+            return
+        self._accepting = True
+        self._loop.add_reader(self._sock.fileno(), self._on_accept)
+
+    def _connection_closed(self) -> None:
+        self._resume_accepting()
+
     def _on_accept(self) -> None:
         for _ in range(64):
+            if self._full():
+                peer_log.log(
+                    logging.WARNING,
+                    ("full", self.address),
+                    "%s: %d connections open (max_connections); accepting paused until one closes",
+                    self.address,
+                    self.open_connections,
+                )
+                self._pause_accepting()
+                return
             try:
-                conn_sock, _address = self._sock.accept()
+                conn_sock, address = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                logger.warning("accepting on %s failed: %s", self.address, exc)
+                if exc.errno in _OUT_OF_RESOURCES:
+                    peer_log.log(
+                        logging.WARNING,
+                        ("accept", self.address, exc.errno),
+                        "accepting on %s failed: %s; accepting paused for %s s",
+                        self.address,
+                        exc,
+                        ACCEPT_BACKOFF,
+                    )
+                    self._pause_accepting(ACCEPT_BACKOFF)
+                else:
+                    peer_log.log(
+                        logging.WARNING,
+                        ("accept", self.address),
+                        "accepting on %s failed: %s",
+                        self.address,
+                        exc,
+                    )
                 return
+            peer = str(address[0]) if isinstance(address, tuple) and address else str(address)
+            if self._peer_full(peer):
+                peer_log.log(
+                    logging.WARNING,
+                    ("peer full", self.address),
+                    "%s: %s already has %d connections open (max_connections_per_peer); closing a new one",
+                    self.address,
+                    peer,
+                    self._per_peer.get(peer, 0),
+                )
+                conn_sock.close()
+                continue
             try:
                 _configure_socket(conn_sock, self._sndbuf, self._rcvbuf)
                 connection = TcpConnection(conn_sock, **self._limits)
             except (OSError, ValueError) as exc:
-                logger.warning("could not set up an accepted connection on %s: %s", self.address, exc)
+                peer_log.log(
+                    logging.WARNING,
+                    ("setup", self.address),
+                    "could not set up an accepted connection on %s: %s",
+                    self.address,
+                    exc,
+                )
                 conn_sock.close()
                 continue
             logger.debug("accepted %s", connection.description)
-            self._start_handler(connection)
+            self._start_handler(connection, peer)
 
     def _stop_accepting(self) -> None:
-        self._loop.remove_reader(self._sock.fileno())
+        if self._backoff is not None:
+            self._backoff.cancel()
+            self._backoff = None
+        if self._accepting:
+            self._accepting = False
+            self._loop.remove_reader(self._sock.fileno())
         self._sock.close()
         logger.debug("stopped listening on %s", self.address)
 
@@ -605,10 +742,15 @@ async def serve_tcp(
     allocator: Allocator | None = None,
     sndbuf: int | None = None,
     rcvbuf: int | None = None,
+    max_connections: int | None = None,
+    max_connections_per_peer: int | None = None,
+    receive_budget: ReceiveBudget | None = None,
 ) -> TcpListener:
     """Listen on ``host:port`` (port 0 picks a free one) and run ``handler(connection)`` per connection.
 
-    ``sndbuf``/``rcvbuf`` set the kernel socket buffer sizes (default: the kernel's autotuning).
+    ``sndbuf``/``rcvbuf`` set the kernel socket buffer sizes (default: the kernel's autotuning);
+    ``max_connections``, ``max_connections_per_peer`` and ``receive_budget`` bound what peers may hold (see
+    :class:`TcpListener` and :class:`~dissoc.transport.base.ReceiveBudget`; None: unbounded).
     """
     loop = asyncio.get_running_loop()
     try:
@@ -632,6 +774,9 @@ async def serve_tcp(
             allocator=allocator,
             sndbuf=sndbuf,
             rcvbuf=rcvbuf,
+            max_connections=max_connections,
+            max_connections_per_peer=max_connections_per_peer,
+            receive_budget=receive_budget,
         )
     except BaseException:
         sock.close()

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from dissoc.buffers import BytesLike, device_nbytes
-from dissoc.errors import DissocError, TransportError
+from dissoc.errors import DissocError, ResourceError, TransportError
 from dissoc.transport._inbox import Waiter
 from dissoc.transport.base import (
     DEFAULT_MAX_BUFFERED_BYTES,
@@ -24,9 +24,11 @@ from dissoc.transport.base import (
     Allocator,
     Connection,
     MessageTooLargeError,
+    ReceiveBudget,
     SendData,
     as_views,
     check_u64,
+    peer_log,
 )
 from dissoc.transport.ucx.driver import MAX_ROUNDS, Driver, Pending
 from dissoc.transport.ucx.handshake import (
@@ -102,12 +104,14 @@ class UcxConnection(Connection):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
         allocator: Allocator | None = None,
+        receive_budget: ReceiveBudget | None = None,
     ) -> None:
         super().__init__(
             max_message_bytes=max_message_bytes,
             max_buffered_bytes=max_buffered_bytes,
             allocator=allocator,
             description=description,
+            receive_budget=receive_budget,
         )
         self._loop = driver.loop
         self._driver = driver
@@ -285,6 +289,12 @@ class UcxConnection(Connection):
                 )
                 return
             message = bytes(view) if view.nbytes <= _SMALL_UNTAGGED else view
+        if self._budget is not None:
+            try:
+                self._reserve(len(message))
+            except DissocError as exc:
+                self._teardown(exc)
+                return
         self._deliver_untagged(message)
 
     def _may_take(self, length: int, wanted: bool) -> bool:
@@ -335,7 +345,17 @@ class UcxConnection(Connection):
                 )
             )
             return True
-        if not force and not self._may_take(length, waiter is not None):
+        if self._tag_limits or self._budget is not None:
+            try:
+                if self._tag_limits:
+                    self._check_tag_limit(found, length)
+                if not force and not self._may_take(length, waiter is not None):
+                    return False
+                self._reserve(length)
+            except DissocError as exc:
+                self._teardown(exc)
+                return True
+        elif not force and not self._may_take(length, waiter is not None):
             return False
         buffer, view = self._allocate(found, length)
         probe = worker.tag_probe(ucx_tag(found), ucx_mask(TAG_MASK_ALL), True)
@@ -414,8 +434,8 @@ class UcxConnection(Connection):
             return
         self._closed = True
         self._fail(exc)
-        if isinstance(exc, MessageTooLargeError):
-            logger.warning("%s", exc)
+        if isinstance(exc, ResourceError):
+            peer_log.log(logging.WARNING, type(exc), "%s", exc)
         else:
             logger.debug("%s torn down: %s", self._description, exc)
         driver = self._driver

@@ -17,6 +17,8 @@ from dissoc.transport.base import (
     Allocator,
     Handler,
     Listener,
+    ReceiveBudget,
+    peer_log,
 )
 from dissoc.transport.ucx.connection import UcxConnection
 from dissoc.transport.ucx.driver import Driver
@@ -46,6 +48,7 @@ class _Limits(TypedDict):
     max_message_bytes: int
     max_buffered_bytes: int
     allocator: Allocator | None
+    receive_budget: ReceiveBudget | None
 
 
 class UcxListener(Listener):
@@ -62,8 +65,9 @@ class UcxListener(Listener):
         handshake_timeout: float | None,
         error_handling: bool,
         limits: _Limits,
+        max_connections: int | None = None,
     ) -> None:
-        super().__init__(handler)
+        super().__init__(handler, max_connections=max_connections)
         lib = ucxx_lib()
         self._loop = asyncio.get_running_loop()
         self._lib = lib
@@ -174,6 +178,15 @@ class UcxListener(Listener):
         reply; then the connection's handler starts. False (logged) when it failed; the caller closes the
         monitor it opened."""
         driver: Driver | None = None
+        if self._full():
+            peer_log.log(
+                logging.WARNING,
+                ("full", self.address),
+                "%s: %d connections open (max_connections); refusing a new one",
+                self.address,
+                self.open_connections,
+            )
+            return False
         try:
             async with asyncio.timeout(self._handshake_timeout):
                 client_address = parse_hello(await receive(), description)
@@ -214,7 +227,24 @@ class UcxListener(Listener):
         try:
             bootstrap = self._listener.create_endpoint_from_conn_request(conn_request, True)
         except Exception as exc:
-            logger.warning("accepting a connection on %s failed: %s", self.address, exc)
+            peer_log.log(
+                logging.WARNING,
+                ("accept", self.address),
+                "accepting a connection on %s failed: %s",
+                self.address,
+                exc,
+            )
+            return
+        limit = self._max_connections
+        if limit is not None and self._open + len(self._handshakes) >= limit:
+            peer_log.log(
+                logging.WARNING,
+                ("full", self.address),
+                "%s: %d connections open or connecting (max_connections); refusing a new one",
+                self.address,
+                self._open + len(self._handshakes),
+            )
+            close_endpoint(bootstrap)
             return
         task = self._loop.create_task(self._accept(bootstrap))
         self._handshakes.add(task)
@@ -259,16 +289,23 @@ async def serve_ucx(
     allocator: Allocator | None = None,
     error_handling: bool = False,
     handshake_timeout: float | None = 10.0,
+    max_connections: int | None = None,
+    max_connections_per_peer: int | None = None,
+    receive_budget: ReceiveBudget | None = None,
 ) -> UcxListener:
     """Listen on ``port`` (0 picks a free one; UCX binds every interface) and run ``handler`` per connection.
 
     ``error_handling`` turns UCX peer-failure handling on for the data endpoints (slower: no shared memory);
-    the peer's disappearance is detected either way (package docstring).
+    the peer's disappearance is detected either way (package docstring). At ``max_connections`` (connections
+    open plus handshakes under way) a new one is refused; ucxx does not say where a connection request comes
+    from, so ``max_connections_per_peer`` is accepted and does nothing here.
     """
+    del max_connections_per_peer
     limits: _Limits = {
         "max_message_bytes": max_message_bytes,
         "max_buffered_bytes": max_buffered_bytes,
         "allocator": allocator,
+        "receive_budget": receive_budget,
     }
     return UcxListener(
         host,
@@ -277,4 +314,5 @@ async def serve_ucx(
         handshake_timeout=handshake_timeout,
         error_handling=error_handling,
         limits=limits,
+        max_connections=max_connections,
     )
