@@ -39,7 +39,7 @@ from e2e_helpers import PYTHON, REPO, eventually, listener_connections, sample_t
 import dissoc
 from dissoc.client import fetch_async
 from dissoc.errors import TransportError
-from dissoc.server import DEFAULT_WANT_DATA, Server
+from dissoc.server import DEFAULT_FREE_DATA, DEFAULT_WANT_DATA, Server
 from dissoc.transport import connect
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -289,6 +289,26 @@ async def test_an_idle_connection_without_want_data_is_dropped() -> None:
         writer.close()
         table = await within(10, fetch_async(server.uri, "t"))
         assert table.num_rows == sample_table().num_rows
+
+
+async def test_a_huge_free_data_list_is_refused_from_its_header() -> None:
+    async with Server({"t": sample_table()}, body="pairs", max_free_data_bytes=4096) as server:
+        port = _port(server.uri)
+        budget = server.receive_budget
+        assert budget is not None
+        reader, writer = await _raw(port)
+        writer.write(_HEADER.pack(2, DEFAULT_FREE_DATA, 16 * MiB) + b"f" * 65536)
+        await writer.drain()
+        data = b""
+        with contextlib.suppress(ConnectionError, TimeoutError):
+            async with asyncio.timeout(3):
+                while chunk := await reader.read(1 << 16):
+                    data += chunk
+        assert reader.at_eof() or data, "the connection was kept after a free_data frame over its limit"
+        if data:
+            assert b"request_too_large" in data, data[:200]
+        assert budget.used == 0
+        writer.close()
 
 
 # ------------------------------------------------------------------------------------- 4. memory on close
