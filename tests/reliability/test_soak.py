@@ -110,6 +110,18 @@ async def _round(
     return done
 
 
+async def _steady_fds(pid: int, seconds: float = 5.0) -> int:
+    """The server's fd count once it has stayed the same for half a second (or after ``seconds``)."""
+    deadline = time.monotonic() + seconds
+    last, since = open_fds(pid), time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < 0.5:
+        await asyncio.sleep(0.05)
+        now = open_fds(pid)
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 async def _settled(pid: int, baseline_fds: int, seconds: float) -> int:
     """The server's fd count once it is back at ``baseline_fds`` or ``seconds`` have passed (sockets of
     clients that just left close a moment later on the server's side)."""
@@ -125,8 +137,8 @@ async def _soak(args: list[str], fetches: int, sources: Any, modes: list[Mode], 
         pid = proc.pid
         started = time.monotonic()
         warmup = await _round(CLIENTS * WARMUP_ROUNDS, seed, lines, tables, modes)
-        await asyncio.sleep(0.5)  # the last clients' sockets close on the server's side
-        base_rss, base_fds = rss(pid), open_fds(pid)
+        base_fds = await _steady_fds(pid)  # the last clients' sockets close on the server's side
+        base_rss = rss(pid)
         rest = await _round(fetches - CLIENTS * WARMUP_ROUNDS, seed + 1, lines, tables, modes)
         elapsed = time.monotonic() - started
         fds = await _settled(pid, base_fds, 10)
