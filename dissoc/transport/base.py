@@ -391,6 +391,9 @@ class Connection(abc.ABC):
     async def close(self) -> None:
         """Close the connection: pending and later sends and receives raise ``TransportError``."""
         if self._closed:
+            # Torn down already (peer gone, I/O error): let go of what was received and never claimed now,
+            # not when the connection object goes.
+            self._fail(TransportError(f"connection {self._description} was closed"), drop_held=True)
             return
         self._fail(TransportError(f"connection {self._description} was closed"), drop_held=True)
         await self._close_transport()
