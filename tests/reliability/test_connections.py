@@ -48,9 +48,12 @@ MiB = 1 << 20
 _HEADER = struct.Struct("<QQQ")
 _CHILD = textwrap.dedent(
     """
-    import asyncio, json, logging, sys
+    import asyncio, gc, json, logging, os, sys
     import pyarrow as pa
     from dissoc.server import Server
+
+    if os.environ.get("NO_GC"):
+        gc.disable()  # what a departed client held must go without the collector
 
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(name)s: %(message)s")
 
@@ -72,10 +75,10 @@ def _cpu_seconds(pid: int) -> float:
 
 @contextlib.contextmanager
 def _server_process(
-    tmp_path: Path, nofile: int | None = None, **options: Any
+    tmp_path: Path, nofile: int | None = None, no_gc: bool = False, **options: Any
 ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
-    """A ``dissoc.Server`` serving table ``t`` in a child process (optionally with ``nofile`` descriptors);
-    yields the process, its URI and the file its log goes to."""
+    """A ``dissoc.Server`` serving table ``t`` in a child process (optionally with ``nofile`` descriptors, or
+    with the garbage collector off); yields the process, its URI and the file its log goes to."""
     log_path = tmp_path / "server.log"
 
     def limit() -> None:
@@ -89,6 +92,7 @@ def _server_process(
             stdout=subprocess.PIPE,
             stderr=log,
             preexec_fn=limit,
+            env={**os.environ, "NO_GC": "1" if no_gc else ""},
         )
     try:
         assert proc.stdout is not None
@@ -315,7 +319,7 @@ async def test_a_huge_free_data_list_is_refused_from_its_header() -> None:
 
 
 def test_departed_clients_release_their_buffers_at_once(tmp_path: Path) -> None:
-    with _server_process(tmp_path) as (proc, uri, _log):
+    with _server_process(tmp_path, no_gc=True) as (proc, uri, _log):
         port = _port(uri)
         _fetch_seconds(uri)
         before = _settle_rss(proc.pid, 0.5)
@@ -323,9 +327,12 @@ def test_departed_clients_release_their_buffers_at_once(tmp_path: Path) -> None:
         for round_ in range(10):
             sock = socket.create_connection(("127.0.0.1", port))
             tag = 0x1234 + round_  # not a request tag: held for a consumer that never comes
-            sock.sendall(_HEADER.pack(2, tag, 512 * MiB))
-            for _ in range(48):
-                sock.sendall(junk)
+            if round_ % 3 == 2:
+                sock.sendall(_HEADER.pack(2, tag, 32 * MiB) + junk * 32)  # a whole message, held unread
+            else:
+                sock.sendall(_HEADER.pack(2, tag, 512 * MiB))  # most of a partly received one
+                for _ in range(40):
+                    sock.sendall(junk)
             time.sleep(0.05)
             if round_ % 2:  # half leave with a reset, half with a FIN
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
