@@ -45,6 +45,32 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _limit(text: str) -> int | None:
+    """A count or size limit: a non-negative integer, 0 meaning no limit."""
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (no limit) or positive, got {value}")
+    return value or None
+
+
+def _seconds(text: str) -> float | None:
+    """A timeout in seconds, 0 meaning none."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 (none) or a positive number of seconds, got {text}")
+    return value or None
+
+
+def _connections(text: str) -> int | str | None:
+    return "auto" if text == "auto" else _limit(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dissoc", description="Arrow Dissociated IPC: serve and fetch Arrow data."
@@ -93,6 +119,56 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="PORT",
         help="also run an Arrow Flight control plane on this port (0 picks a free one)",
+    )
+
+    lim = s.add_argument_group(
+        "limits",
+        "what one client can make the server hold (0 turns a limit off; see the README's limits table)",
+    )
+    lim.add_argument(
+        "--max-connections",
+        type=_connections,
+        default="auto",
+        metavar="N",
+        help="connections open at once (split: half per port); 'auto' (default) stays below the fd limit",
+    )
+    lim.add_argument(
+        "--max-connections-per-peer", type=_limit, default=64, metavar="N", help="per client address (64)"
+    )
+    lim.add_argument(
+        "--want-data-timeout",
+        type=_seconds,
+        default=10.0,
+        metavar="S",
+        help="time to send a complete want_data after connecting or after a stream (10)",
+    )
+    lim.add_argument(
+        "--idle-timeout",
+        type=_seconds,
+        default=300.0,
+        metavar="S",
+        help="a connection with no request, no stream and no listed ranges is dropped after this (300)",
+    )
+    lim.add_argument(
+        "--max-ticket-bytes",
+        type=_positive_int,
+        default=64 << 10,
+        metavar="N",
+        help="want_data payload (64 KiB)",
+    )
+    lim.add_argument(
+        "--max-free-data-bytes",
+        type=_positive_int,
+        default=8 << 20,
+        metavar="N",
+        help="free_data payload (8 MiB: 1 Mi ranges)",
+    )
+    lim.add_argument(
+        "--max-receiving-mib",
+        type=_limit,
+        default=1024,
+        metavar="MIB",
+        help="bytes being received across all connections (1024)",
     )
 
     g = sub.add_parser("get", help="fetch one stream; prints a JSON summary")
@@ -162,6 +238,13 @@ async def _serve(args: argparse.Namespace) -> int:
         memory=args.memory,
         resident=args.resident,
         arena_bytes=args.arena_mib << 20,
+        max_connections=args.max_connections,
+        max_connections_per_peer=args.max_connections_per_peer,
+        want_data_timeout=args.want_data_timeout,
+        idle_timeout=args.idle_timeout,
+        max_ticket_bytes=args.max_ticket_bytes,
+        max_free_data_bytes=args.max_free_data_bytes,
+        max_receiving_bytes=None if args.max_receiving_mib is None else args.max_receiving_mib << 20,
     )
     async with contextlib.AsyncExitStack() as running:
         await running.enter_async_context(server)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -222,3 +224,43 @@ def test_serve_arena_mib_bounds_the_pairs_arena(tmp_path: Path) -> None:
 def test_serve_arena_mib_must_be_positive(tmp_path: Path) -> None:
     r = dissoc_cmd("serve", "--body", "pairs", "--arena-mib", "0", str(tmp_path / "x.arrow"))
     assert r.returncode == 1 and "--arena-mib" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_limits_from_the_command_line(files: Files) -> None:
+    """The connection limits are flags: a silent connection is dropped after --want-data-timeout, a client
+    address over --max-connections-per-peer is closed at once, and a well-behaved client is served."""
+    path, table = files["ordered"]
+    args = ("--want-data-timeout", "1", "--max-connections-per-peer", "2")
+    with cli_server(str(path), *args, count=1) as (proc, lines):
+        host_port = lines[0]["uri"].split("://", 1)[1].split("?", 1)[0]
+        host, port = host_port.rsplit(":", 1)
+        silent = [socket.create_connection((host, int(port)), timeout=10) for _ in range(2)]
+        extra = socket.create_connection((host, int(port)), timeout=10)
+        try:
+            assert extra.recv(1) == b""  # over the per-peer limit: closed at once
+            started = time.monotonic()
+            for s in silent:
+                assert s.recv(1) == b""  # never sent want_data: dropped by the deadline
+            assert time.monotonic() - started < 8
+        finally:
+            for s in (*silent, extra):
+                s.close()
+        got = dissoc_cmd("get", lines[0]["uri"], lines[0]["ticket"], "--no-progress")
+        assert got.returncode == 0, got.stderr
+        assert json.loads(got.stdout)["rows"] == table.num_rows
+        assert proc.poll() is None
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--want-data-timeout", "-1"],
+        ["--idle-timeout", "soon"],
+        ["--max-connections", "-3"],
+        ["--max-ticket-bytes", "0"],
+    ],
+    ids=lambda a: " ".join(a),
+)
+def test_bad_limits_are_usage_errors(args: list[str]) -> None:
+    result = dissoc_cmd("serve", *args, "x.arrow")
+    assert result.returncode == 2 and "usage" in result.stderr.lower(), result.stderr
