@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import threading
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -22,7 +23,7 @@ from e2e_helpers import (
 
 import dissoc
 from dissoc.client import ClientOptions, FetchStats, fetch_async, open_stream, stream_batches
-from dissoc.errors import RemoteError
+from dissoc.errors import DissocError, RemoteError
 from dissoc.server import Server
 
 pytestmark = pytest.mark.timeout(60)
@@ -262,3 +263,11 @@ async def test_64_concurrent_clients_each_get_their_stream_intact(split: bool) -
         assert got.nbytes >= 4 << 20
         assert got.equals(tables[ticket])
         assert assert_ids_in_order(got.to_batches()) == 16 * 2048
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"port": 70000}, {"port": 65536}, {"port": -1}, {"split": True, "data_port": 1 << 17}]
+)
+def test_out_of_range_ports_are_refused(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(DissocError, match="65535"):
+        Server({"t": ordered_table(1, 3)}, **kwargs)
