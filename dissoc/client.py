@@ -33,6 +33,7 @@ from dissoc.protocol import (
     BODY_ERROR,
     BODY_PACKED,
     BODY_PAIRS,
+    SEQ_MODULUS,
     ClientState,
     ClientStream,
     ErrorMessage,
@@ -171,6 +172,7 @@ class _Session:
         self.flow = asyncio.Event()  # set whenever in-flight bytes drop or batches are released
         self.flow.set()
         self.conns: list[Connection] = []
+        self.failure: TransportError | None = None  # the stream's connection failed
         self.tasks: list[asyncio.Task[None]] = []
         self.stats = FetchStats()
         self._flush_scheduled = False
@@ -267,6 +269,10 @@ class _Session:
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # handed to the consumer, which raises it
+            if isinstance(e, TransportError):
+                # The server is gone: a burst of batches already handed over must not delay the error until
+                # the consumer has worked through it (see _Chunk).
+                self.failure = e
             self.ready.put_nowait(e)
 
     async def next_event(self) -> MessageReady | SchemaReceived | StreamEnded:
@@ -336,9 +342,14 @@ class _Session:
         """On an ordered transport every metadata message has the next number, and EOS carries the count."""
         if seq != self.expected_meta:
             what = "end of stream" if kind == MessageType.END_OF_STREAM else "metadata message"
+            # Those received are the seqs before the expected one (fewer than 2**32 in any real stream).
+            if (self.expected_meta - seq) % SEQ_MODULUS <= self.expected_meta:
+                why = "a duplicate of one already received"
+            else:
+                why = f"a jump {(seq - self.expected_meta) % SEQ_MODULUS} ahead: messages were skipped"
             raise ProtocolError(
                 f"metadata stream: expected {what} {fmt_seq(self.expected_meta)}, got {fmt_seq(seq)} "
-                f"(the transport delivers in order, so this is a gap or a duplicate)"
+                f"(the transport delivers in order, so this is {why})"
             )
         if kind == MessageType.METADATA:
             self.expected_meta = next_seq(seq)
@@ -458,6 +469,20 @@ class _Session:
             self.pairs.close()
 
 
+class _Chunk(list[Batch]):
+    """Batches complete at once (a burst, see :func:`stream_chunks`), with the session they came from as
+    ``watch``: consumers handing them out one by one check ``watch.failure`` first, so that a server gone
+    mid-stream fails the stream now, not after the consumer has worked through a burst (with pairs, as many
+    batches as the server's arena holds; zero-copy ones over the dead server's memory). The synchronous
+    reader notices between batches only where its loop runs meanwhile (zero-copy; else at its next read)."""
+
+    __slots__ = ("watch",)
+
+    def __init__(self, watch: _Session | None) -> None:
+        super().__init__()
+        self.watch = watch
+
+
 #: One stream to read: (metadata URI, data URI or None for the same, ticket).
 Endpoint: TypeAlias = "tuple[str | DissocURI, str | DissocURI | None, str | bytes]"
 
@@ -560,7 +585,7 @@ async def _stream_one(
         await session.start()
         ended = False
         while not ended:
-            chunk: list[Batch] = []
+            chunk = _Chunk(session)
             ev = await session.next_event()
             while True:
                 if isinstance(ev, StreamEnded):
@@ -583,7 +608,6 @@ async def _stream_one(
             del ev
             if chunk:
                 yield chunk
-                chunk = []
     finally:
         if stats is not None:
             stats.batches, stats.rows, stats.bytes = (
@@ -609,7 +633,10 @@ async def stream_batches(
     async with contextlib.aclosing(chunks):
         async for chunk in chunks:
             chunk.reverse()
+            watch = getattr(chunk, "watch", None)
             while chunk:
+                if watch is not None and watch.failure is not None:
+                    raise watch.failure
                 # Popped, so that a batch the consumer let go of is not kept alive here (zero-copy batches
                 # give their shared memory back when released).
                 yield chunk.pop()
@@ -764,6 +791,7 @@ class StreamReader:
         self.stats = FetchStats()
         self._schema: pa.Schema | None = None
         self._pending: deque[Batch] = deque()
+        self._watch: _Session | None = None
         self._done = False
         self._chunks = stream_chunks(
             uri, ticket, data_uri=data_uri, options=options, stats=self.stats, on_schema=self._set_schema
@@ -795,6 +823,7 @@ class StreamReader:
             self.close()
             raise
         self._pending.extend(chunk)
+        self._watch = getattr(chunk, "watch", None)
         return True
 
     @property
@@ -808,6 +837,10 @@ class StreamReader:
         while not self._pending:
             if not self._pull():
                 raise StopIteration
+        watch = self._watch
+        if watch is not None and watch.failure is not None:
+            self.close()
+            raise watch.failure
         return self._pending.popleft()
 
     def __iter__(self) -> Iterator[Batch]:

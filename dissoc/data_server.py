@@ -29,13 +29,25 @@ from dissoc.datasets import Dataset, IpcStreamDataset
 from dissoc.datasets.messages import device_bodies, same_every_time
 from dissoc.errors import DissocError, TransportError
 from dissoc.memory.placements import Placements, Scope
-from dissoc.protocol import BODY_PAIRS, ServerMessage, decode_free, encode_error, encode_pairs, make_body_tag
+from dissoc.protocol import (
+    BODY_PAIRS,
+    ServerMessage,
+    decode_free,
+    encode_error,
+    encode_pairs,
+    fmt_seq,
+    make_body_tag,
+)
+from dissoc.protocol.ledger import Ledger, QuotaExceeded
 from dissoc.role_server import Outbox, Role, RoleServer, ServeOptions, StreamPart
 from dissoc.transport import Connection
 
 __all__ = ["DataPart", "DataServer"]
 
 log = logging.getLogger(__name__)
+
+#: How often a stream whose client is at its quota looks whether it freed enough.
+_QUOTA_POLL_S = 0.02
 
 
 class DataPart(StreamPart):
@@ -49,6 +61,10 @@ class DataPart(StreamPart):
         self._device = device_bodies(dataset, options.compression)  # each body is then one device array
         self._placements = options.placements
         self._scope = _scope(dataset, self._placements, current) if self._placements is not None else None
+        self._quota = options.unfreed_quota
+        # What the client held before this stream (never more than it holds now): bytes this stream cannot
+        # wait for, since only its own batches are sure to be freed as the client reads on.
+        self._held_before = options.ledger.live_bytes_of(conn) if options.ledger is not None else 0
 
     def message(
         self, out: Outbox, sent: ServerMessage, metadata: Any, body: list[Any]
@@ -69,6 +85,12 @@ class DataPart(StreamPart):
         they are. What is queued goes first: the client must see the metadata before the pairs."""
         conn = self._conn
         await out.flush()
+        ledger = self._options.ledger
+        assert ledger is not None
+        nbytes = sum(buffer_nbytes(b) for b in body)
+        if not ledger.fits_quota(conn, nbytes, self._quota) and ledger.live_bytes_of(conn):
+            # (a client holding nothing gets its batch, however large: the arena bounds that)
+            await self._wait_for_quota(ledger, sent, nbytes)
         pairs = await placements.acquire(
             conn,
             self._scope,
@@ -77,9 +99,40 @@ class DataPart(StreamPart):
             gone=lambda: conn.closed,
             what=conn.description,
         )
-        assert self._options.ledger is not None
-        self._options.ledger.record(conn, pairs)
+        ledger.record(conn, pairs)
         await conn.send_tagged(make_body_tag(sent.seq, BODY_PAIRS), encode_pairs(pairs))
+
+    async def _wait_for_quota(self, ledger: Ledger, sent: ServerMessage, nbytes: int) -> None:
+        """The client would hold more than its quota awaiting free_data: wait for it to free what this stream
+        listed (backpressure, as a full arena gives). The stream fails with ``quota_exceeded`` when what the
+        client held before it leaves no room (it asks again without freeing: waiting would not help), or when
+        it frees nothing for ``unfreed_wait`` seconds."""
+        conn, quota = self._conn, self._quota
+        loop = asyncio.get_running_loop()
+        held = ledger.live_bytes_of(conn)
+        since = loop.time()
+        while True:
+            self._held_before = min(self._held_before, held)
+            why = None
+            if self._held_before and self._held_before + nbytes > quota:
+                why = f"{self._held_before} of them listed before this stream"
+            elif loop.time() - since > self._options.unfreed_wait:
+                why = f"nothing freed for {self._options.unfreed_wait:g} s"
+            if why is not None:
+                raise QuotaExceeded(
+                    f"message {fmt_seq(sent.seq)} ({nbytes} bytes) would make this client hold "
+                    f"{held + nbytes} bytes awaiting free_data, over its quota of {quota} bytes ({why}): "
+                    "free what you hold"
+                )
+            if conn.closed:
+                raise TransportError(f"{conn.description}: closed while waiting for free_data")
+            await asyncio.sleep(_QUOTA_POLL_S)
+            now = ledger.live_bytes_of(conn)
+            if now + nbytes <= quota or not now:
+                return
+            if now < held:
+                since = loop.time()  # it frees: keep waiting
+            held = now
 
 
 class DataServer(RoleServer):

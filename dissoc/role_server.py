@@ -27,8 +27,9 @@ from dissoc.datasets import Catalog, Dataset
 from dissoc.datasets.messages import dataset_messages, same_every_time
 from dissoc.errors import DissocError, ResourceError, TransportError
 from dissoc.protocol import ERROR_TAG, ServerMessage, ServerStream, encode_error, fmt_seq, fmt_tag
+from dissoc.protocol.ledger import QuotaExceeded
 from dissoc.transport import Connection, Listener, TaggedMessage, serve
-from dissoc.transport.base import peer_log
+from dissoc.transport.base import RateLimitedLog, peer_log
 from dissoc.uri import DissocURI
 
 if TYPE_CHECKING:
@@ -50,6 +51,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: A stream's failures, at most one line per kind of failure every few seconds (clients can repeat them).
+_stream_log = RateLimitedLog(log)
 
 
 class Role(enum.Enum):
@@ -77,7 +81,9 @@ class ServeOptions:
     With ``placements`` (over the arena of ``served``, and a ``ledger``), bodies are sent as address/length
     pairs (body type 1): each batch's buffers are placed in the arena and stay there until the client frees
     them with free_data or disconnects; stored and in-memory batches stay resident (placed once, listed to
-    every client that asks) unless the placements were made with ``resident=False``.
+    every client that asks) unless the placements were made with ``resident=False``. One client holds at
+    most ``max_unfreed_bytes`` awaiting free_data (:attr:`unfreed_quota`; see
+    :class:`dissoc.data_server.DataPart`).
     """
 
     want_data: int
@@ -95,11 +101,23 @@ class ServeOptions:
     want_data_timeout: float | None = DEFAULT_WANT_DATA_TIMEOUT
     #: Seconds a connection may sit with no request, no stream and no listed ranges held (None: forever).
     idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT
+    #: Bytes one client may hold awaiting free_data (None: a quarter of the ledger's capacity, the arena).
+    max_unfreed_bytes: int | None = None
+    #: Seconds a stream waits for its client, at its quota, to free something before failing it.
+    unfreed_wait: float = 5.0
 
     @property
     def pairs(self) -> bool:
         """Whether bodies are sent as pair lists into an arena."""
         return self.placements is not None
+
+    @property
+    def unfreed_quota(self) -> int:
+        """Bytes one client may hold awaiting free_data: ``max_unfreed_bytes``, by default a quarter of the
+        arena (so that one client that never frees cannot keep the arena from the others)."""
+        if self.max_unfreed_bytes is not None:
+            return self.max_unfreed_bytes
+        return self.ledger.capacity_bytes // 4 if self.ledger is not None else 0
 
 
 # Small messages from a source that never blocks are written together, up to these limits per system call.
@@ -166,9 +184,10 @@ async def stream_dataset(
     message numbered after what was sent), which ends the stream; a transport failure propagates.
     """
     stream = ServerStream()
+    messages = dataset_messages(dataset, compression)
     try:
         first = True
-        async for metadata, body, with_body in dataset_messages(dataset, compression):
+        async for metadata, body, with_body in messages:
             if first:
                 first = False
                 header = stream.schema(metadata)
@@ -188,14 +207,44 @@ async def stream_dataset(
         await out.flush()
         log.debug("stream of %r done: %s messages", dataset.name, fmt_seq(count))
         return count
-    except TransportError:
+    except TransportError as e:
+        # The client left mid-send. The failed send's tracebacks hold the frames that held the batch, in a
+        # cycle with the transport's futures that only the garbage collector would break: let go of them.
+        _drop_tracebacks(e)
         raise
     except (DissocError, pa.ArrowException, OSError, ValueError) as e:
         # The dataset or its encoding failed: tell the client on the stream, which then ends.
-        log.warning("stream of %r failed: %s", dataset.name, e)
+        _stream_log.log(logging.WARNING, type(e).__name__, "stream of %r failed: %s", dataset.name, e)
         await out.flush()
-        await send_error(_error(stream, "stream_failed", f"serving {dataset.name!r} failed: {e}"))
+        if isinstance(e, QuotaExceeded):
+            await send_error(_error(stream, e.code, str(e)))
+        else:
+            await send_error(_error(stream, "stream_failed", f"serving {dataset.name!r} failed: {e}"))
         return stream.next_seq
+    finally:
+        metadata, body = None, []  # a traceback through this frame must not keep the last batch
+        await messages.aclose()  # the dataset's reader stops now, also when the client left mid-stream
+        if not same_every_time(dataset):
+            # Read through pyarrow's pool (Parquet, generated data, reader factories): give the memory freed
+            # back to the system once nothing of the stream is referenced any more. The last batch is let go
+            # of as this frame, the handler's task and a traceback through them unwind (a turn or two of the
+            # loop): release then, and once more a little later.
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, _release_pool)
+            loop.call_later(0.25, _release_pool)
+
+
+def _drop_tracebacks(error: BaseException) -> None:
+    seen: set[int] = set()
+    chained: BaseException | None = error
+    while chained is not None and id(chained) not in seen:
+        seen.add(id(chained))
+        chained.__traceback__ = None
+        chained = chained.__cause__ or chained.__context__
+
+
+def _release_pool() -> None:
+    pa.default_memory_pool().release_unused()
 
 
 def _error(stream: ServerStream, code: str, message: str) -> bytes:

@@ -153,6 +153,21 @@ def dataset_from(obj: object, name: str | None = None) -> Dataset:
 # ---------------------------------------------------------------------------------------------------- catalog
 
 
+#: Most bytes of a ticket quoted in an error message (a client controls the ticket, and errors go back to it).
+_QUOTED_TICKET_BYTES = 64
+
+
+def quote_ticket(ticket: str | bytes) -> str:
+    """A short, escaped quote of ``ticket`` for error messages: at most its first 64 bytes, then how long it
+    was."""
+    raw = ticket.encode("utf-8", "surrogatepass") if isinstance(ticket, str) else bytes(ticket)
+    if len(raw) <= _QUOTED_TICKET_BYTES:
+        return repr(ticket) if isinstance(ticket, str) else repr(raw)
+    head = raw[:_QUOTED_TICKET_BYTES]
+    shown = repr(head.decode("utf-8", "ignore")) if isinstance(ticket, str) else repr(head)
+    return f"{shown}... ({len(raw)} bytes)"
+
+
 def _ticket_name(ticket: object) -> str:
     if isinstance(ticket, str):
         return ticket
@@ -162,7 +177,7 @@ def _ticket_name(ticket: object) -> str:
             return raw.decode("utf-8", errors="strict")
         except UnicodeDecodeError as e:
             raise UnknownTicket(
-                raw, f"ticket {raw[:64]!r} is not valid UTF-8 (byte {e.start}: {e.reason})"
+                raw, f"ticket {quote_ticket(raw)} is not valid UTF-8 (byte {e.start}: {e.reason})"
             ) from None
     raise UnknownTicket(repr(ticket), f"a ticket must be bytes or str, got {type(ticket).__name__}")
 
@@ -198,22 +213,20 @@ class Catalog:
             try:
                 dataset = self._datasets.pop(key)
             except KeyError:
-                raise UnknownTicket(name, f"unknown ticket {key!r}: no such dataset") from None
+                raise UnknownTicket(name, f"unknown ticket {quote_ticket(key)}: no such dataset") from None
         log.info("no longer serving %r", key)
         return dataset
 
     def get(self, ticket: str | bytes) -> Dataset:
-        """The dataset served under ``ticket`` (bytes are decoded as strict UTF-8), or UnknownTicket."""
+        """The dataset served under ``ticket`` (bytes are decoded as strict UTF-8), or UnknownTicket (whose
+        message quotes a short prefix of the ticket and never names the datasets served: it goes back to
+        whoever asked)."""
         key = _ticket_name(ticket)
         with self._lock:
             dataset = self._datasets.get(key)
-            if dataset is None:
-                served = sorted(self._datasets)
-                shown = ", ".join(repr(n) for n in served[:10]) + (", ..." if len(served) > 10 else "")
-                raise UnknownTicket(
-                    ticket, f"unknown ticket {key!r}: no such dataset (serving {shown or 'nothing'})"
-                )
-            return dataset
+        if dataset is None:
+            raise UnknownTicket(ticket, f"unknown ticket {quote_ticket(key)}: no such dataset")
+        return dataset
 
     __getitem__ = get
 

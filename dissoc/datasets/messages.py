@@ -9,7 +9,7 @@ ticket independently number the same messages the same way.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any, TypeAlias, TypeGuard
 
 import pyarrow as pa
@@ -72,7 +72,7 @@ def _stored_messages(dataset: Dataset) -> Iterator[DatasetMessage] | None:
     )
 
 
-async def dataset_messages(dataset: Dataset, compression: str | None) -> AsyncIterator[DatasetMessage]:
+async def dataset_messages(dataset: Dataset, compression: str | None) -> AsyncGenerator[DatasetMessage, None]:
     """Every message of the dataset's stream, schema first (``compression`` applies to encoded batches)."""
     stored = _stored_messages(dataset)
     if stored is not None:

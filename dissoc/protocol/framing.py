@@ -6,7 +6,9 @@ Types:
   messages sent, modulo 2**32).
 * ``1`` IPC metadata: the payload is the Arrow ``Message`` flatbuffer.
 * ``0xE0`` error (a project extension): the sequence number is the next unused one, the payload is UTF-8 JSON
-  ``{"code": "...", "message": "..."}``.
+  ``{"code": "...", "message": "..."}``. Encoded payloads are at most :data:`MAX_ERROR_PAYLOAD` bytes (the
+  message is cut to fit); a received error's message is cut to :data:`MAX_ERROR_MESSAGE` characters (its code
+  to :data:`MAX_ERROR_CODE`), whatever a peer sent.
 
 Encoders return the 5-byte header on its own so that callers can gather-send it with the flatbuffer without
 concatenating; :func:`encode_metadata_message` is the concatenating convenience. The decoder never copies the
@@ -27,6 +29,9 @@ from dissoc.errors import ProtocolError
 from dissoc.protocol.seq import check_seq, fmt_seq
 
 __all__ = [
+    "MAX_ERROR_CODE",
+    "MAX_ERROR_MESSAGE",
+    "MAX_ERROR_PAYLOAD",
     "PREFIX_SIZE",
     "BytesLike",
     "EndOfStream",
@@ -43,12 +48,22 @@ __all__ = [
     "encode_metadata_message",
     "encode_prefix",
     "peek_prefix",
+    "shorten",
 ]
 
 PREFIX_SIZE: Final = 5
 """Size of the metadata-stream prefix: u8 message type, u32 LE sequence number."""
 
 _PREFIX = struct.Struct("<BI")
+
+MAX_ERROR_PAYLOAD: Final = 4096
+"""Most bytes of JSON in an error message a server sends (the message is cut to fit)."""
+
+MAX_ERROR_MESSAGE: Final = 1024
+"""Most characters of a received error's message kept (the rest is cut, saying how much)."""
+
+MAX_ERROR_CODE: Final = 64
+"""Most characters of a received error's code kept."""
 
 
 class MessageType(enum.IntEnum):
@@ -122,11 +137,29 @@ def encode_eos(seq: int) -> bytes:
     return _PREFIX.pack(MessageType.END_OF_STREAM, check_seq(seq))
 
 
+def shorten(text: str, limit: int) -> str:
+    """``text`` if it has at most ``limit`` characters, else its start and how much was cut (at most
+    ``limit`` characters in all, for ``limit`` >= 40)."""
+    if len(text) <= limit:
+        return text
+    keep = max(0, limit - 40)
+    return f"{text[:keep]}... ({len(text) - keep} characters cut)"
+
+
 def encode_error_payload(code: str, message: str) -> bytes:
-    """The JSON payload of an error message (ASCII-only JSON, so always valid UTF-8)."""
+    """The JSON payload of an error message (ASCII-only JSON, so always valid UTF-8), at most
+    :data:`MAX_ERROR_PAYLOAD` bytes: a longer message is cut, saying how much."""
     if not isinstance(code, str) or not isinstance(message, str):
         raise TypeError("error code and message must be str")
-    return json.dumps({"code": code, "message": message}, ensure_ascii=True).encode("ascii")
+    code = shorten(code, MAX_ERROR_CODE)
+    payload = json.dumps({"code": code, "message": message}, ensure_ascii=True).encode("ascii")
+    limit = MAX_ERROR_PAYLOAD
+    while len(payload) > MAX_ERROR_PAYLOAD:
+        # Escapes make a character take up to 12 bytes of JSON: halve until it fits (a few rounds at most).
+        limit = min(limit, len(message)) // 2
+        short = shorten(message, max(limit, 40))
+        payload = json.dumps({"code": code, "message": short}, ensure_ascii=True).encode("ascii")
+    return payload
 
 
 def encode_error(seq: int, code: str, message: str) -> bytes:
@@ -155,7 +188,7 @@ def _decode_error_payload(seq: int, payload: memoryview) -> ErrorMessage:
             f'{where}: expected string fields "code" and "message", got '
             f"code={type(code).__name__}, message={type(message).__name__}"
         )
-    return ErrorMessage(seq, code, message)
+    return ErrorMessage(seq, shorten(code, MAX_ERROR_CODE), shorten(message, MAX_ERROR_MESSAGE))
 
 
 def decode_stream_message(buf: BytesLike) -> StreamMessage:

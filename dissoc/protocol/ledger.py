@@ -9,7 +9,8 @@ no memory and does no I/O. The driver calls
 * :meth:`Ledger.record` after listing ranges to a client,
 * :meth:`Ledger.free` when a free_data message arrives (then lets go of the freed ranges for that client),
 * :meth:`Ledger.drop` when a client disconnects (then lets go of everything returned, for that client),
-* :meth:`Ledger.would_fit` before placing a batch, to keep the bytes outstanding under ``capacity_bytes``.
+* :meth:`Ledger.would_fit` before placing a batch, to keep the bytes outstanding under ``capacity_bytes``,
+  and :meth:`Ledger.fits_quota` to keep one client's under its quota.
 
 Ranges are keyed by their offset/address. A range may be live for *several* clients at once -- a resident
 placement (:mod:`dissoc.memory.placements`) is listed to every client that asks for it -- and then each of
@@ -27,9 +28,20 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from dissoc.errors import ProtocolError
+from dissoc.errors import ProtocolError, ResourceError
 
-__all__ = ["Ledger"]
+__all__ = ["QUOTA_EXCEEDED", "Ledger", "QuotaExceeded"]
+
+QUOTA_EXCEEDED: Final = "quota_exceeded"
+"""The error code a server sends a client whose unfreed ranges would pass its quota."""
+
+
+class QuotaExceeded(ResourceError):
+    """A client holds too many bytes awaiting free_data (its quota); reported to that client only, with the
+    error code :data:`QUOTA_EXCEEDED`."""
+
+    code: Final = QUOTA_EXCEEDED
+
 
 _U64_MAX: Final = 0xFFFFFFFFFFFFFFFF
 
@@ -113,6 +125,11 @@ class Ledger:
         if nbytes < 0:
             raise ValueError(f"nbytes: expected a non-negative int, got {nbytes!r}")
         return self._live_bytes + nbytes <= self._capacity
+
+    def fits_quota(self, client: Hashable, nbytes: int, quota: int) -> bool:
+        """Whether ``client`` could be listed ``nbytes`` more and hold at most ``quota`` bytes (shared ranges
+        count in full for each client holding them, as in :meth:`live_bytes_of`)."""
+        return self._bytes_of.get(client, 0) + nbytes <= quota
 
     def __len__(self) -> int:
         return len(self._length)

@@ -346,10 +346,7 @@ class ReorderBuffer(Generic[M, B]):
             check_seq(seq)  # raises
         d = (seq - self._next) & SEQ_MAX
         if d >= SEQ_HALF:  # more than half the space ahead means behind: already released
-            raise ProtocolError(
-                f"{what} for seq {fmt_seq(seq)}: expected seq {fmt_seq(self._next)} or later, but "
-                f"{fmt_seq(seq)} was already released (duplicate?)"
-            )
+            raise ProtocolError(self._behind_message(seq, what))
         eos = self._eos
         if eos is not None and d >= ((eos - self._next) & SEQ_MAX):
             raise ProtocolError(
@@ -362,6 +359,22 @@ class ReorderBuffer(Generic[M, B]):
                 f"{fmt_seq(self._next)}, got one {d} ahead"
             )
         return d
+
+    def _behind_message(self, seq: int, what: object) -> str:
+        """Why input for ``seq``, more than half the sequence space ahead of :attr:`next_seq`, is refused: a
+        duplicate when it is among the messages released, else out of range (a jump ahead no window could
+        hold, or a seq before the stream's first)."""
+        back = (self._next - seq) & SEQ_MAX
+        if back <= self._released:
+            return (
+                f"{what} for seq {fmt_seq(seq)}: expected seq {fmt_seq(self._next)} or later, but "
+                f"{fmt_seq(seq)} was already released (duplicate?)"
+            )
+        return (
+            f"{what} for seq {fmt_seq(seq)}: expected a seq less than {self._window} ahead of "
+            f"{fmt_seq(self._next)}, got one {(seq - self._next) & SEQ_MAX} ahead (out of range: not one of "
+            f"the {self._released} message(s) released)"
+        )
 
     def _check_bytes(self, nbytes: int, seq: int, what: object) -> None:
         if self._pending_bytes + nbytes > self._max_pending_bytes:
