@@ -55,7 +55,8 @@ def test_create_names_mode_and_close_unlinks() -> None:
         assert a.handle == a.name.encode("ascii")
         assert a.capacity == 1024  # rounded up to 64
         st_ = os.stat(_path(a.name))
-        assert stat.S_IMODE(st_.st_mode) == 0o600
+        assert stat.S_IMODE(st_.st_mode) == 0o400  # made 0600, read-only once mapped
+        assert st_.st_blocks * 512 >= 1024  # reserved, not sparse
         assert st_.st_size == 1024
         assert st_.st_uid == os.getuid()
         assert len(a.buffer) == 1024 and not a.buffer.readonly
@@ -73,14 +74,14 @@ def test_create_names_mode_and_close_unlinks() -> None:
 
 
 @pytest.mark.parametrize("umask", [0o000, 0o077, 0o777])
-def test_mode_is_0600_whatever_the_umask(umask: int) -> None:
+def test_mode_is_0400_whatever_the_umask(umask: int) -> None:
     old = os.umask(umask)
     try:
         a = ShmArena.create(64)
     finally:
         os.umask(old)
     with a:
-        assert stat.S_IMODE(os.stat(_path(a.name)).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(_path(a.name)).st_mode) == 0o400
 
 
 def test_explicit_name_and_bad_arguments() -> None:

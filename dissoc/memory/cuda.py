@@ -34,6 +34,7 @@ import numpy.typing as npt
 
 from dissoc.buffers import BytesLike, U8Array
 from dissoc.errors import DissocError, ResourceError
+from dissoc.memory.shm import reserve
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -380,16 +381,24 @@ class FakeDeviceBackend:
         self.live = 0
 
     def allocate(self, nbytes: int) -> DeviceAllocation:
+        """A shared-memory segment ``dissoc-fakedev-<pid>-<random>`` of ``nbytes``, its memory reserved now
+        (a ``/dev/shm`` too small for it raises :class:`~dissoc.errors.ResourceError` here, not SIGBUS on
+        first use), mapped read-write and then made read-only (mode 0400) for everyone else."""
         nbytes = int(nbytes)
-        name = _FAKE_PREFIX + secrets.token_hex(8)
+        name = f"{_FAKE_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         fd = os.open(_fake_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, max(nbytes, 1))
-            mm = mmap.mmap(fd, max(nbytes, 1))
-        except OSError as exc:
+            try:
+                os.ftruncate(fd, max(nbytes, 1))
+                reserve(fd, max(nbytes, 1), "fake device arena")
+                mm = mmap.mmap(fd, max(nbytes, 1))
+                os.fchmod(fd, 0o400)  # as a ShmArena: clients open it read-only, nobody else for writing
+            except OSError as exc:
+                raise ResourceError(f"cannot allocate {nbytes} bytes of fake device memory: {exc}") from exc
+        except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(_fake_path(name))
-            raise ResourceError(f"cannot allocate {nbytes} bytes of fake device memory: {exc}") from exc
+            raise
         finally:
             os.close(fd)
         return _FakeAllocation(name, mm, nbytes, owner=True)
@@ -447,14 +456,14 @@ class FakeDeviceBackend:
         if not name.startswith(_FAKE_PREFIX) or "/" in name:
             raise ResourceError(f"fake-device handle: bad segment name {name!r}")
         try:
-            fd = os.open(_fake_path(name), os.O_RDWR)
+            fd = os.open(_fake_path(name), os.O_RDONLY)  # read-only, like a client's shared-memory view
         except OSError as exc:
             raise ResourceError(f"cannot open the fake-device handle {name!r}: {exc}") from exc
         try:
             size = os.fstat(fd).st_size
             if nbytes > size:
                 raise ResourceError(f"fake-device handle {name!r}: {nbytes} bytes asked, {size} mapped")
-            mm = mmap.mmap(fd, size)
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
         finally:
             os.close(fd)
         return _FakeAllocation(name, mm, int(nbytes), owner=False)

@@ -154,6 +154,9 @@ class _ShmCopy(PairReader):
         self.view = view
 
     def read(self, pairs: PairList) -> tuple[list[pa.Buffer | None], list[int]]:
+        # buffers() compares the batch's ranges with the segment's current size first (one fstat): a segment
+        # that shrank under us is a TransportError, not SIGBUS. A truncation racing between that check and
+        # the copy below is not covered.
         views = self.view.buffers(pairs)
         # Copy mode: the batch owns private memory, so every range can be freed at once. One pooled buffer per
         # batch (memory of released batches is reused: fresh pages would cost more than the copy).
@@ -232,6 +235,9 @@ class _ShmZeroCopy(_Leasing):
         self.view = view
 
     def read(self, pairs: PairList) -> tuple[list[pa.Buffer | None], list[int]]:
+        # Checked against the segment's current size before the buffers are handed out (one fstat per
+        # batch); a truncation after that (racing with the check, or while the batch is in use) is not
+        # covered.
         views = self.view.buffers(pairs)
         offsets = [int(a) for a, n in pairs.pairs.tolist() if n]
         if not offsets:

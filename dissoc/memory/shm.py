@@ -1,8 +1,12 @@
 """Host shared memory: a POSIX shared-memory arena (server side) and a read-only view of one (client side).
 
-Server side, :class:`ShmArena` creates a segment named ``dissoc-<pid>-<random>`` with mode 0600, maps it
-read-write, and hands out 64-byte aligned ranges from it with the first-fit free-list allocator that coalesces
-neighbours on release (:class:`~dissoc.memory.arena.FreeListArena`, shared with the device arena).
+Server side, :class:`ShmArena` creates a segment named ``dissoc-<pid>-<random>`` with mode 0600, reserves
+its memory (``posix_fallocate``: a ``/dev/shm`` too small for the arena fails at creation, with
+:class:`~dissoc.errors.ResourceError`, instead of killing the server with SIGBUS on the first page past its
+end), maps it read-write, drops the mode to 0400 (the server keeps its mapping; later opens for writing by
+non-root processes, the same user's included, are refused), and hands out 64-byte aligned ranges from it
+with the first-fit free-list allocator that coalesces neighbours on release
+(:class:`~dissoc.memory.arena.FreeListArena`, shared with the device arena).
 :meth:`ShmArena.place` copies a batch's buffers in (one allocation per non-empty buffer, so every pair-list
 entry is its own allocation, keyed by its offset: a free_data message names exactly the offsets to
 :meth:`ShmArena.release`). When the arena is full, :meth:`ShmArena.allocate_wait` and
@@ -10,10 +14,14 @@ entry is its own allocation, keyed by its offset: a free_data message names exac
 backpressure. The URI's ``remote_handle`` is :attr:`ShmArena.handle`, the segment's POSIX name.
 
 Client side, :class:`ShmView` maps the named segment read-only (``PROT_READ``) and slices it into zero-copy
-``pyarrow.Buffer`` objects, bounds-checked, so a hostile pair list raises instead of crashing.
+``pyarrow.Buffer`` objects, bounds-checked, so a hostile pair list raises instead of crashing. It keeps the
+segment's descriptor and, before handing out a batch's ranges, compares them with the segment's current size
+(one ``fstat``): a segment truncated under the client raises :class:`~dissoc.errors.TransportError` instead of
+SIGBUS.
 
 Crash recovery: segments carry the creating pid in their name; :func:`cleanup_stale` (called at server start)
-unlinks the ones whose creator is gone. Python's ``multiprocessing.resource_tracker`` is not involved: the
+unlinks the ones whose creator is gone, and :func:`remove_stale_segments` does the same and says what it
+removed (names and bytes). Python's ``multiprocessing.resource_tracker`` is not involved: the
 segments are opened with ``shm_open`` directly, so nothing is registered, nothing warns and nothing is
 unlinked twice.
 
@@ -35,14 +43,14 @@ import sys
 import weakref
 from collections.abc import Iterable, Sequence
 from types import ModuleType, TracebackType
-from typing import Any, Final, Self
+from typing import Any, Final, NamedTuple, Self
 
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
 from dissoc.buffers import ALIGNMENT, align_up, byte_view
-from dissoc.errors import ProtocolError, ResourceError
+from dissoc.errors import ProtocolError, ResourceError, TransportError
 from dissoc.memory.arena import FreeListArena
 
 __all__ = [
@@ -51,7 +59,10 @@ __all__ = [
     "SHM_DIR",
     "ShmArena",
     "ShmView",
+    "StaleSegment",
     "cleanup_stale",
+    "remove_stale_segments",
+    "reserve",
 ]
 
 NAME_PREFIX: Final = "dissoc-"
@@ -61,6 +72,11 @@ SHM_DIR: Final = "/dev/shm"
 _NAME_MAX: Final = 255
 _NAME_RE: Final = re.compile(r"[A-Za-z0-9._-]+")
 _MODE: Final = 0o600
+_MODE_MAPPED: Final = 0o400
+"""The mode once the creator has mapped the segment read-write: opening it for writing is refused from then on
+(except to root, and to an owner who changes the mode back first)."""
+_FAKE_DEVICE_PREFIX: Final = NAME_PREFIX + "fakedev-"
+"""The fake device backend's segments (:mod:`dissoc.memory.cuda`), named ``dissoc-fakedev-<pid>-<random>``."""
 
 
 # -- POSIX shared memory primitives -------------------------------------------------------------------------
@@ -143,22 +159,27 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def cleanup_stale(prefix: str = NAME_PREFIX, *, directory: str = SHM_DIR) -> list[str]:
-    """Unlink segments named ``<prefix><pid>-...`` whose creating process is no longer alive.
+class StaleSegment(NamedTuple):
+    """A segment :func:`remove_stale_segments` removed."""
 
-    Only segments owned by the current user are considered. Returns the names removed. Where ``directory``
-    does not exist (not Linux), there is nothing to list and this returns ``[]``. A segment whose pid has been
-    reused by an unrelated live process is kept (the conservative mistake).
-    """
+    name: str
+    """Its name under ``/dev/shm``."""
+    size: int
+    """Its size in bytes."""
+    allocated: int
+    """The memory it held, in bytes (less than ``size`` where it was sparse)."""
+
+
+def _remove_stale(prefixes: Sequence[str], directory: str) -> list[StaleSegment]:
     try:
         entries = os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError, PermissionError):
         return []
-    pattern = re.compile(re.escape(prefix) + r"(\d{1,10})-.+")
+    patterns = [re.compile(re.escape(prefix) + r"(\d{1,10})-.+") for prefix in prefixes]
     uid = os.getuid()
-    removed: list[str] = []
+    removed: list[StaleSegment] = []
     for entry in sorted(entries):
-        match = pattern.fullmatch(entry)
+        match = next((m for p in patterns if (m := p.fullmatch(entry)) is not None), None)
         if match is None:
             continue
         pid = int(match.group(1))
@@ -174,8 +195,60 @@ def cleanup_stale(prefix: str = NAME_PREFIX, *, directory: str = SHM_DIR) -> lis
             continue  # someone else cleaned it first
         except PermissionError:
             continue
-        removed.append(entry)
+        removed.append(StaleSegment(entry, st.st_size, st.st_blocks * 512))
     return removed
+
+
+def cleanup_stale(prefix: str = NAME_PREFIX, *, directory: str = SHM_DIR) -> list[str]:
+    """Unlink segments named ``<prefix><pid>-...`` whose creating process is no longer alive.
+
+    Only segments owned by the current user are considered. Returns the names removed. Where ``directory``
+    does not exist (not Linux), there is nothing to list and this returns ``[]``. A segment whose pid has been
+    reused by an unrelated live process is kept (the conservative mistake).
+    """
+    return [segment.name for segment in _remove_stale([prefix], directory)]
+
+
+def remove_stale_segments(*, directory: str = SHM_DIR) -> list[StaleSegment]:
+    """Unlink the segments that dead dissoc processes left behind; returns what was removed, by name.
+
+    That is the arenas of pairs servers (``dissoc-<pid>-...``) and the fake device backend's allocations
+    (``dissoc-fakedev-<pid>-...``) whose creating process is gone, owned by the current user (a server
+    killed with SIGKILL leaves its arena-sized segment until then). Segments of live processes are kept, and
+    so is one whose pid has been reused by an unrelated live process (the conservative mistake). Where
+    ``directory`` does not exist (not Linux), this returns ``[]``.
+    """
+    return _remove_stale([NAME_PREFIX, _FAKE_DEVICE_PREFIX], directory)
+
+
+def _amount(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 and nbytes % (1 << 20) == 0 else f"{nbytes} bytes"
+
+
+def reserve(fd: int, nbytes: int, what: str) -> None:
+    """Reserve the memory behind the first ``nbytes`` of shared-memory file ``fd`` now (``posix_fallocate``).
+
+    Without it the file is sparse: where ``/dev/shm`` is smaller than the file (Docker's default is 64 MiB),
+    the first touch of a page past what it can hold kills the process with SIGBUS, which Python cannot catch.
+    Raises :class:`~dissoc.errors.ResourceError` with a one-line message naming the remedies (a smaller arena,
+    more shared memory for the container); the caller removes the file. Where the platform has no
+    ``posix_fallocate`` this does nothing.
+    """
+    if nbytes <= 0 or not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        try:
+            vfs = os.fstatvfs(fd)
+            room = f"{_amount(vfs.f_bavail * vfs.f_frsize)} free of {_amount(vfs.f_blocks * vfs.f_frsize)}"
+        except OSError:
+            room = "free space unknown"
+        raise ResourceError(
+            f"{what}: cannot reserve {_amount(nbytes)} of shared memory in {SHM_DIR} ({e.strerror or e}; "
+            f"{room}): use a smaller arena (--arena-mib) or give the container more shared memory "
+            f"(Docker: --shm-size)"
+        ) from None
 
 
 # -- the arena ----------------------------------------------------------------------------------------------
@@ -200,11 +273,14 @@ class ShmArena(FreeListArena):
 
     @classmethod
     def create(cls, capacity: int, *, name: str | None = None) -> ShmArena:
-        """Create and map a new segment of at least ``capacity`` bytes (rounded up to 64), mode 0600.
+        """Create and map a new segment of at least ``capacity`` bytes (rounded up to 64).
 
-        ``name`` defaults to ``dissoc-<pid>-<random hex>``; a given name must not exist yet. Raises
-        :class:`ValueError` for a bad capacity or name, :class:`FileExistsError` if the name is taken, and
-        :class:`~dissoc.errors.ResourceError` if the system cannot provide the memory.
+        The segment is made with mode 0600, its memory reserved (:func:`reserve`), mapped read-write, and its
+        mode then dropped to 0400, so that only this mapping can write to it. ``name`` defaults to
+        ``dissoc-<pid>-<random hex>``; a given name must not exist yet. Raises :class:`ValueError` for a bad
+        capacity or name, :class:`FileExistsError` if the name is taken, and
+        :class:`~dissoc.errors.ResourceError` if the system cannot provide the memory (a ``/dev/shm`` too
+        small for it included: the message names the remedies); the segment is removed then.
         """
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
             raise ValueError(f"capacity: expected a positive int, got {capacity!r}")
@@ -216,12 +292,22 @@ class ShmArena(FreeListArena):
                 os.fchmod(fd, _MODE)
             try:
                 os.ftruncate(fd, capacity)
+            except OSError as e:
+                raise ResourceError(
+                    f"shared memory: expected to size {name!r} to {capacity} bytes, "
+                    f"got {type(e).__name__}: {e}"
+                ) from e
+            reserve(fd, capacity, "shared memory arena")
+            try:
                 mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError as e:
                 raise ResourceError(
                     f"shared memory: expected to map {capacity} bytes for {name!r}, "
                     f"got {type(e).__name__}: {e}"
                 ) from e
+            # Mapped read-write: from now on nobody needs to open it for writing. Clients open it read-only;
+            # a non-root process (the same user's included) that tries to open it for writing is refused.
+            os.fchmod(fd, _MODE_MAPPED)
         except BaseException:
             with contextlib.suppress(OSError):
                 _shm_unlink(name)
@@ -315,15 +401,26 @@ class ShmView:
 
     :meth:`slice` returns zero-copy ``pyarrow.Buffer`` objects over the mapping; they keep it mapped even
     after :meth:`close`, so data already handed out stays valid.
+
+    The view keeps the segment's descriptor open. :meth:`slice` and :meth:`buffers` compare the ranges asked
+    for with the segment's *current* size first (one ``fstat`` per call): touching a page past the end of a
+    segment that was truncated after it was mapped (by its server or by anyone who could open it) kills the
+    process with SIGBUS, which Python cannot recover from, so a range that now lies past the end raises
+    :class:`~dissoc.errors.TransportError` instead. Not covered: a truncation that lands between that check
+    and the reads of the range (by the caller's copy, or later through a zero-copy buffer already handed
+    out).
     """
 
-    def __init__(self, name: str, mm: mmap.mmap, readonly: bool) -> None:
-        """Use :meth:`attach`."""
+    def __init__(self, name: str, mm: mmap.mmap, readonly: bool, fd: int | None = None) -> None:
+        """Use :meth:`attach`. ``fd``: the segment's descriptor, owned by the view from now on (closed with
+        it); without one, ranges are checked against the mapping's size only."""
         self._name = name
         self._mmap: mmap.mmap | None = mm
         self._size = len(mm)
         self._readonly = readonly
         self._buf: Any = pa.py_buffer(mm)
+        self._fd = fd
+        self._fd_closer = None if fd is None else weakref.finalize(self, os.close, fd)
 
     @classmethod
     def attach(cls, handle: bytes | bytearray | memoryview | str, *, readonly: bool = True) -> ShmView:
@@ -352,9 +449,10 @@ class ShmView:
                 raise ResourceError(
                     f"shared memory: expected to map {size} bytes of {name!r}, got {type(e).__name__}: {e}"
                 ) from None
-        finally:
+        except BaseException:
             os.close(fd)
-        return cls(name, mm, readonly)
+            raise
+        return cls(name, mm, readonly, fd)
 
     @property
     def name(self) -> str:
@@ -378,12 +476,38 @@ class ShmView:
             raise ResourceError(f"shared memory view {self._name!r}: expected an open view, got a closed one")
         return self._buf
 
+    def check_extent(self, end: int) -> None:
+        """Raise :class:`~dissoc.errors.TransportError` if the segment is now shorter than ``end`` bytes.
+
+        One ``fstat`` of the descriptor kept open. A truncation between this check and the reads that follow
+        it is not covered (the reads would still meet SIGBUS); this catches a segment that shrank before.
+        """
+        fd = self._fd
+        if fd is None or end <= 0:
+            return
+        try:
+            now = os.fstat(fd).st_size
+        except OSError as e:  # pragma: no cover - the descriptor is ours and open
+            raise TransportError(f"shared memory: cannot stat segment {self._name!r}: {e}") from None
+        if now < end:
+            raise TransportError(
+                f"shared memory: segment {self._name!r} shrank to {now} bytes (mapped {self._size}) under "
+                f"this client, expected at least {end}: truncated by its server or another process"
+            )
+
     def slice(self, offset: int, length: int) -> pa.Buffer:
         """A zero-copy buffer over ``[offset, offset + length)``.
 
-        Raises :class:`~dissoc.errors.ProtocolError` if the range is not inside the segment (a bad pair from
-        the server), :class:`~dissoc.errors.ResourceError` if the view is closed.
+        Raises :class:`~dissoc.errors.ProtocolError` if the range is not inside the mapping (a bad pair from
+        the server), :class:`~dissoc.errors.TransportError` if the segment has since shrunk so that the range
+        lies past its end (:meth:`check_extent`), :class:`~dissoc.errors.ResourceError` if the view is closed.
         """
+        buf = self._slice(offset, length)
+        self.check_extent(offset + length)
+        return buf
+
+    def _slice(self, offset: int, length: int) -> pa.Buffer:
+        """:meth:`slice` without the check of the segment's current size."""
         whole = self._whole()
         if (
             isinstance(offset, bool)
@@ -409,24 +533,35 @@ class ShmView:
     def buffers(self, pairs: Iterable[tuple[int, int]] | Any) -> list[pa.Buffer]:
         """Zero-copy buffers for a pair list (a sequence of pairs, an ``(n, 2)`` array, or a PairList).
 
-        ``(offset, 0)`` entries -- the ``(0, 0)`` of empty buffers -- give empty buffers.
+        ``(offset, 0)`` entries -- the ``(0, 0)`` of empty buffers -- give empty buffers. Raises what
+        :meth:`slice` raises; the segment's current size is checked once, against the furthest range.
         """
         rows = pairs.to_list() if hasattr(pairs, "to_list") else pairs
         if isinstance(rows, np.ndarray):
             rows = rows.tolist()
         whole = self._whole()
         out: list[pa.Buffer] = []
+        end = 0
         for offset, length in rows:
-            out.append(whole.slice(0, 0) if length == 0 else self.slice(offset, length))
+            if length == 0:
+                out.append(whole.slice(0, 0))
+            else:
+                out.append(self._slice(offset, length))
+                end = max(end, int(offset) + int(length))
+        self.check_extent(end)  # one fstat per batch
         return out
 
     def numpy(self) -> npt.NDArray[np.uint8]:
-        """The whole mapping as a numpy uint8 array (not writeable when read-only)."""
+        """The whole mapping as a numpy uint8 array (not writeable when read-only; unlike :meth:`slice`, not
+        checked against the segment's current size)."""
         arr: npt.NDArray[np.uint8] = np.frombuffer(self._whole(), dtype=np.uint8)
         return arr
 
     def close(self) -> None:
         """Drop this view's mapping; idempotent. Buffers already sliced keep it mapped until they die."""
+        if self._fd_closer is not None:
+            self._fd_closer()  # closes the descriptor once
+        self._fd = None
         self._buf = None
         mm, self._mmap = self._mmap, None
         if mm is not None:
