@@ -65,7 +65,8 @@ async def test_pairs_round_trip_and_everything_is_freed(split: bool, tmp_path: P
         segment = data.remote_handle.decode().lstrip("/")
         assert segment in _segments()
         assert data.memory == "shm" and data.remote_handle is not None and data.free_data is not None
-        assert os.stat(f"/dev/shm/{data.remote_handle.decode()}").st_mode & 0o777 == 0o600
+        # created 0600 (no other user), then read-only once the server has mapped it (no later writer)
+        assert os.stat(f"/dev/shm/{data.remote_handle.decode()}").st_mode & 0o777 == 0o400
         for ticket in ("t", "stored"):
             got = await fetch_async(srv.uri, ticket, data_uri=srv.data_uri)
             assert got.equals(table)

@@ -104,10 +104,10 @@ class Server:
         max_receiving_bytes: int | None = DEFAULT_MAX_RECEIVING_BYTES,
         **transport_options: Any,
     ) -> None:
-        for what, value in (("port", port), ("data_port", data_port)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        for what, number in (("port", port), ("data_port", data_port)):
+            if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number <= 65535:
                 # the OS would wrap 70000 to 4464, or take 65536 as "any port"
-                raise DissocError(f"{what} must be 0 (any free port) to 65535, got {value!r}")
+                raise DissocError(f"{what} must be 0 (any free port) to 65535, got {number!r}")
         self.catalog = Catalog()
         for name, obj in (datasets or {}).items():
             self.catalog.add(name, obj)

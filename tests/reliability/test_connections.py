@@ -190,7 +190,7 @@ def test_huge_ticket_is_refused_from_its_header(tmp_path: Path) -> None:
     ],
 )
 def test_fd_exhaustion_neither_spins_nor_floods_the_log(tmp_path: Path, max_connections: str | None) -> None:
-    options = {"want_data_timeout": 0.5, "max_connections": max_connections}
+    options: dict[str, Any] = {"want_data_timeout": 0.5, "max_connections": max_connections}
     with _server_process(tmp_path, nofile=64, **options) as (proc, uri, log_path):
         port = _port(uri)
         time.sleep(0.3)
