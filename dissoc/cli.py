@@ -200,6 +200,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="pairs: batches over the server's shared (or, landing on the device, CUDA IPC) memory",
     )
+    c = sub.add_parser(
+        "cleanup",
+        help="remove the shared-memory segments killed dissoc servers left behind; prints a JSON summary",
+    )
+    c.add_argument("--dir", default=None, help="where POSIX shared memory lives (default /dev/shm)")
     return p
 
 
@@ -373,6 +378,23 @@ def _open_writer(path: str, schema: Any) -> Any:
     return codec.new_file(path, schema)
 
 
+# ------------------------------------------------------------------------------------------------- cleanup
+
+
+def _cleanup(args: argparse.Namespace) -> int:
+    """Unlink the segments of dead dissoc processes (a SIGKILLed pairs server leaves its arena behind)."""
+    from dissoc.memory.shm import SHM_DIR, remove_stale_segments
+
+    removed = remove_stale_segments(directory=args.dir or SHM_DIR)
+    summary = {
+        "removed": [{"name": r.name, "size": r.size, "allocated": r.allocated} for r in removed],
+        "bytes": sum(r.allocated for r in removed),
+    }
+    sys.stdout.write(json.dumps(summary) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
 # --------------------------------------------------------------------------------------------------- main
 
 
@@ -388,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return asyncio.run(_serve(args))
+        if args.command == "cleanup":
+            return _cleanup(args)
         return asyncio.run(_get(args))
     except DissocError as e:
         sys.stderr.write(f"dissoc: error: {e}\n")

@@ -16,6 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 from e2e_helpers import PYTHON, REPO, cli_server, ordered_table, sample_table
 
+from dissoc.uri import DissocURI
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -264,3 +266,23 @@ def test_serve_limits_from_the_command_line(files: Files) -> None:
 def test_bad_limits_are_usage_errors(args: list[str]) -> None:
     result = dissoc_cmd("serve", *args, "x.arrow")
     assert result.returncode == 2 and "usage" in result.stderr.lower(), result.stderr
+
+
+def test_cleanup_removes_what_a_killed_server_left(files: Files) -> None:
+    """A SIGKILLed pairs server leaves its arena in /dev/shm; ``dissoc cleanup`` removes it and says so."""
+    path, _table = files["trips"]
+    with cli_server(str(path), "--body", "pairs", "--arena-mib", "8", count=1) as (proc, lines):
+        segment = DissocURI.parse(lines[0]["uri"]).remote_handle
+        assert segment is not None
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    left = Path("/dev/shm") / segment.decode().lstrip("/")
+    assert left.exists()
+    got = dissoc_cmd("cleanup")
+    assert got.returncode == 0, got.stderr
+    summary = json.loads(got.stdout)
+    removed = {r["name"]: r for r in summary["removed"]}
+    assert left.name in removed and removed[left.name]["size"] == 8 << 20
+    assert summary["bytes"] >= 8 << 20 and not left.exists()
+    again = json.loads(dissoc_cmd("cleanup").stdout)
+    assert left.name not in {r["name"] for r in again["removed"]}
