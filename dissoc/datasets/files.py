@@ -144,8 +144,12 @@ class ParquetDataset(Dataset):
     scanner reads row groups ahead whatever its read-ahead settings: ~265 MiB held for a stalled reader
     of a 200 MB file, against about one batch this way). A file of a directory whose schema differs from the
     dataset's (which the scanner reconciles) is read by the scanner instead, ``batch_readahead`` and
-    ``fragment_readahead`` (default 0: none) bounding how far it reads ahead. ``columns`` selects a subset
-    of columns. ``num_rows`` and ``nbytes`` (uncompressed) come from the Parquet footers, read on first use.
+    ``fragment_readahead`` (default 0: none) bounding how far it reads ahead. With ``read_ahead`` (the
+    default) a server decodes the next batch while it sends one (:mod:`dissoc.datasets.messages`): a stalled
+    client then costs two batches, and a normal one gets most of the scanner's throughput back (measured on
+    a 160 MiB file, 1M-row batches: 0.19 s a fetch against 0.16 s with the scanner and 0.21-0.27 s without).
+    ``columns`` selects a subset of columns. ``num_rows`` and ``nbytes`` (uncompressed) come from the Parquet
+    footers, read on first use.
     """
 
     def __init__(
@@ -158,6 +162,7 @@ class ParquetDataset(Dataset):
         batch_readahead: int = 0,
         fragment_readahead: int = 0,
         use_threads: bool = True,
+        read_ahead: bool = True,
     ) -> None:
         import pyarrow.dataset as pads
 
@@ -169,6 +174,7 @@ class ParquetDataset(Dataset):
         self.batch_readahead = batch_readahead
         self.fragment_readahead = fragment_readahead
         self.use_threads = use_threads
+        self.read_ahead = read_ahead
         self.columns = columns
         try:
             self._dataset = pads.dataset(str(self.path), format="parquet")

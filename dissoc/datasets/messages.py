@@ -9,6 +9,7 @@ ticket independently number the same messages the same way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any, TypeAlias, TypeGuard
 
@@ -16,7 +17,7 @@ import pyarrow as pa
 
 from dissoc.codec import MessageEncoder, iter_messages
 from dissoc.datasets.base import Dataset
-from dissoc.datasets.files import IpcFileDataset, IpcStreamDataset
+from dissoc.datasets.files import IpcFileDataset, IpcStreamDataset, ParquetDataset
 from dissoc.datasets.in_memory import DeviceDataset, TableDataset
 
 __all__ = ["DatasetMessage", "dataset_messages", "device_bodies", "same_every_time"]
@@ -38,21 +39,37 @@ def device_bodies(dataset: Dataset, compression: str | None) -> TypeGuard[Device
 
 async def _batches(dataset: Dataset) -> AsyncIterator[pa.RecordBatch]:
     """The dataset's batches. In-memory and memory-mapped ones are read on the event loop; the others
-    (Parquet, generated, user factories) in a worker thread, so that one slow read stalls no other client."""
+    (Parquet, generated, user factories) in a worker thread, so that one slow read stalls no other client.
+
+    Parquet is read one batch ahead (the next batch is decoded while this one is sent, which keeps a normal
+    client's throughput; ``ParquetDataset(read_ahead=False)``: none), and no further: reading is pulled by
+    sending, so a client that stops reading makes the server hold the batch being sent and the next one,
+    whatever the file's size.
+    """
     iterator: Iterator[pa.RecordBatch] = dataset.open()
     inline = isinstance(dataset, (TableDataset, IpcFileDataset))
+    ahead = isinstance(dataset, ParquetDataset) and dataset.read_ahead
     sentinel = object()
+    pending: asyncio.Future[object] | None = None
     try:
         while True:
             if inline:
                 batch = next(iterator, sentinel)
+            elif pending is not None:
+                batch, pending = await pending, None
             else:
                 batch = await asyncio.to_thread(next, iterator, sentinel)
             if batch is sentinel:
                 return
             assert isinstance(batch, pa.RecordBatch)
+            if ahead:
+                pending = asyncio.ensure_future(asyncio.to_thread(next, iterator, sentinel))
             yield batch
     finally:
+        if pending is not None:  # a read in a worker thread cannot be stopped: let it finish, then close
+            with contextlib.suppress(Exception):
+                await asyncio.shield(pending)
+            pending = None
         close = getattr(iterator, "close", None)
         if close is not None:
             close()
