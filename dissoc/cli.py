@@ -164,6 +164,13 @@ def _parser() -> argparse.ArgumentParser:
         help="free_data payload (8 MiB: 1 Mi ranges)",
     )
     lim.add_argument(
+        "--max-unfreed-mib",
+        type=_limit,
+        default=None,
+        metavar="MIB",
+        help="pairs: what one client may hold awaiting free_data (default: a quarter of the arena)",
+    )
+    lim.add_argument(
         "--max-receiving-mib",
         type=_limit,
         default=1024,
@@ -250,6 +257,7 @@ async def _serve(args: argparse.Namespace) -> int:
         max_ticket_bytes=args.max_ticket_bytes,
         max_free_data_bytes=args.max_free_data_bytes,
         max_receiving_bytes=None if args.max_receiving_mib is None else args.max_receiving_mib << 20,
+        max_unfreed_bytes=None if args.max_unfreed_mib is None else args.max_unfreed_mib << 20,
     )
     async with contextlib.AsyncExitStack() as running:
         await running.enter_async_context(server)

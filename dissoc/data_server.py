@@ -41,10 +41,13 @@ from dissoc.protocol import (
 from dissoc.protocol.ledger import Ledger, QuotaExceeded
 from dissoc.role_server import Outbox, Role, RoleServer, ServeOptions, StreamPart
 from dissoc.transport import Connection
+from dissoc.transport.base import RateLimitedLog
 
 __all__ = ["DataPart", "DataServer"]
 
 log = logging.getLogger(__name__)
+#: What a client can make the server log at will (a bad free_data) is rate-limited.
+_peer_log = RateLimitedLog(log)
 
 #: How often a stream whose client is at its quota looks whether it freed enough.
 _QUOTA_POLL_S = 0.02
@@ -156,14 +159,17 @@ class DataServer(RoleServer):
             await super().serve_connection(conn)
         finally:
             frees.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await frees
-            assert options.ledger is not None
-            # The client is gone: everything still listed to it can be reused (resident placements once no
-            # other client holds them, and the arena needs the room).
-            ranges = options.ledger.drop(conn)
-            if ranges:
-                options.placements.release(conn, ranges)
+            try:
+                with contextlib.suppress(asyncio.CancelledError, DissocError):
+                    await frees
+            finally:
+                assert options.ledger is not None
+                # The client is gone: everything still listed to it can be reused (resident placements once
+                # no other client holds them, and the arena needs the room). Nothing the free_data task
+                # raised may skip this, or the ranges stay allocated with no client left to free them.
+                ranges = options.ledger.drop(conn)
+                if ranges:
+                    options.placements.release(conn, ranges)
 
     async def _serve_free_data(self, conn: Connection) -> None:
         """Apply the client's free_data messages; a bad one is reported to this client and ends its
@@ -178,8 +184,11 @@ class DataServer(RoleServer):
             try:
                 freed = options.ledger.free_ranges(conn, decode_free(msg.view()))
             except DissocError as e:
-                log.warning("free_data from %s rejected: %s", conn.description, e)
-                await self.send_error(conn, encode_error(0, "bad_free_data", str(e)))
+                _peer_log.log(
+                    logging.WARNING, "bad_free_data", "free_data from %s rejected: %s", conn.description, e
+                )
+                with contextlib.suppress(TransportError):  # the client may be gone already
+                    await self.send_error(conn, encode_error(0, "bad_free_data", str(e)))
                 await conn.close()
                 return
             options.placements.release(conn, freed)

@@ -5,7 +5,6 @@ room, and never one that a client holds."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -194,10 +193,8 @@ async def test_a_dataset_larger_than_the_arena_evicts_only_what_nobody_holds(tmp
     # never the two batches a zero-copy client keeps.
     batches = _big_batches(10)
     path = _ipc_file(tmp_path / "big.arrow", batches)
-    async with Server({"big": path}, body="pairs", arena_bytes=4 << 20) as srv:
-        # The client keeps two batches while streaming: more than the default quota (a quarter of the arena).
-        for role_server in srv._servers:
-            role_server.options = dataclasses.replace(role_server.options, max_unfreed_bytes=4 << 20)
+    # The client keeps two batches while streaming: more than the default quota (a quarter of the arena).
+    async with Server({"big": path}, body="pairs", arena_bytes=4 << 20, max_unfreed_bytes=4 << 20) as srv:
         assert srv.arena is not None and srv.placements is not None and srv.ledger is not None
         arena, placements, ledger = srv.arena, srv.placements, srv.ledger
         kept: list[pa.RecordBatch] = []

@@ -76,7 +76,9 @@ class Server:
     - ``max_ticket_bytes`` (64 KiB) and ``max_free_data_bytes`` (8 MiB): larger want_data and free_data
       payloads are refused from their frame header, before they are read;
     - ``max_receiving_bytes`` (1 GiB) being received, or received and not yet taken, across all connections:
-      a message that would go past it fails its connection (nothing is allocated for it).
+      a message that would go past it fails its connection (nothing is allocated for it);
+    - ``max_unfreed_bytes`` (None: a quarter of the arena) one client may hold in listed ranges it has not
+      freed; over it, that client's stream fails with ``quota_exceeded`` and the others are served.
     """
 
     def __init__(
@@ -102,6 +104,7 @@ class Server:
         max_ticket_bytes: int = DEFAULT_MAX_TICKET_BYTES,
         max_free_data_bytes: int = DEFAULT_MAX_FREE_DATA_BYTES,
         max_receiving_bytes: int | None = DEFAULT_MAX_RECEIVING_BYTES,
+        max_unfreed_bytes: int | None = None,
         **transport_options: Any,
     ) -> None:
         for what, number in (("port", port), ("data_port", data_port)):
@@ -141,6 +144,7 @@ class Server:
             max_free_data_bytes=max_free_data_bytes,
             want_data_timeout=want_data_timeout,
             idle_timeout=idle_timeout,
+            max_unfreed_bytes=max_unfreed_bytes,
         )
         for name, value in (
             ("want_data_timeout", want_data_timeout),
