@@ -222,8 +222,6 @@ async def _serve(args: argparse.Namespace) -> int:
     from dissoc.datasets import dataset_from
     from dissoc.server import Server
 
-    if args.arena_mib < 1:
-        raise DissocError(f"--arena-mib: expected at least 1, got {args.arena_mib}")
     datasets: dict[str, Any] = {}
     for path in args.paths:
         ds = dataset_from(path)

@@ -90,7 +90,8 @@ class DataPart(StreamPart):
         await out.flush()
         ledger = self._options.ledger
         assert ledger is not None
-        nbytes = sum(buffer_nbytes(b) for b in body)
+        # a device body is one device array (it has nbytes, not the buffer protocol)
+        nbytes = int(body[0].nbytes) if self._device else sum(buffer_nbytes(b) for b in body)
         if not ledger.fits_quota(conn, nbytes, self._quota) and ledger.live_bytes_of(conn):
             # (a client holding nothing gets its batch, however large: the arena bounds that)
             await self._wait_for_quota(ledger, sent, nbytes)
@@ -106,10 +107,12 @@ class DataPart(StreamPart):
         await conn.send_tagged(make_body_tag(sent.seq, BODY_PAIRS), encode_pairs(pairs))
 
     async def _wait_for_quota(self, ledger: Ledger, sent: ServerMessage, nbytes: int) -> None:
-        """The client would hold more than its quota awaiting free_data: wait for it to free what this stream
-        listed (backpressure, as a full arena gives). The stream fails with ``quota_exceeded`` when what the
-        client held before it leaves no room (it asks again without freeing: waiting would not help), or when
-        it frees nothing for ``unfreed_wait`` seconds."""
+        """The client would hold more than its quota awaiting free_data. The stream fails with
+        ``quota_exceeded`` at once when what the client held before it leaves no room (it asks again without
+        freeing: waiting would not help). Within one stream the quota only holds back a client while others
+        wait for room in the arena: then the stream waits for its client to free (backpressure, as a full
+        arena gives) and fails when it frees nothing for ``unfreed_wait`` seconds. Alone, a client may fill
+        the arena with one stream (a spec-following client may free only at the end of a stream that fits)."""
         conn, quota = self._conn, self._quota
         loop = asyncio.get_running_loop()
         held = ledger.live_bytes_of(conn)
@@ -117,8 +120,11 @@ class DataPart(StreamPart):
         while True:
             self._held_before = min(self._held_before, held)
             why = None
+            contended = self._placements is not None and self._placements.hungry > 0
             if self._held_before and self._held_before + nbytes > quota:
                 why = f"{self._held_before} of them listed before this stream"
+            elif not contended:
+                return
             elif loop.time() - since > self._options.unfreed_wait:
                 why = f"nothing freed for {self._options.unfreed_wait:g} s"
             if why is not None:

@@ -224,8 +224,9 @@ def test_serve_arena_mib_bounds_the_pairs_arena(tmp_path: Path) -> None:
 
 
 def test_serve_arena_mib_must_be_positive(tmp_path: Path) -> None:
+    # a usage error now (exit 2, like every invalid flag value), no longer a DissocError (exit 1)
     r = dissoc_cmd("serve", "--body", "pairs", "--arena-mib", "0", str(tmp_path / "x.arrow"))
-    assert r.returncode == 1 and "--arena-mib" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "--arena-mib" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_serve_limits_from_the_command_line(files: Files) -> None:

@@ -126,6 +126,11 @@ class Placements:
         placed). 0 once every client has freed everything listed to it."""
         return int(self.arena.used_bytes) - self._idle_bytes
 
+    @property
+    def hungry(self) -> int:
+        """Tasks waiting for room in the arena now (a client over its quota is held back only then)."""
+        return self._hungry
+
     def __len__(self) -> int:
         """Number of resident placements (those of dropped datasets that clients still hold included)."""
         with self._lock:
