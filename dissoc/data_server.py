@@ -28,6 +28,7 @@ from dissoc.codec import parse
 from dissoc.datasets import Dataset, IpcStreamDataset
 from dissoc.datasets.messages import device_bodies, same_every_time
 from dissoc.errors import DissocError, TransportError
+from dissoc.logs import RateLimitedLog
 from dissoc.memory.placements import Placements, Scope
 from dissoc.protocol import (
     BODY_PAIRS,
@@ -41,7 +42,6 @@ from dissoc.protocol import (
 from dissoc.protocol.ledger import Ledger, QuotaExceeded
 from dissoc.role_server import Outbox, Role, RoleServer, ServeOptions, StreamPart
 from dissoc.transport import Connection
-from dissoc.transport.base import RateLimitedLog
 
 __all__ = ["DataPart", "DataServer"]
 

@@ -26,10 +26,10 @@ from dissoc.buffers import BytesLike
 from dissoc.datasets import Catalog, Dataset
 from dissoc.datasets.messages import dataset_messages, same_every_time
 from dissoc.errors import DissocError, ResourceError, TransportError
+from dissoc.logs import RateLimitedLog, peer_log
 from dissoc.protocol import ERROR_TAG, ServerMessage, ServerStream, encode_error, fmt_seq, fmt_tag
 from dissoc.protocol.ledger import QuotaExceeded
 from dissoc.transport import Connection, Listener, TaggedMessage, serve
-from dissoc.transport.base import RateLimitedLog, peer_log
 from dissoc.uri import DissocURI
 
 if TYPE_CHECKING:

@@ -26,7 +26,6 @@ import asyncio
 import copy
 import logging
 import resource
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
@@ -34,6 +33,7 @@ from typing import Self, TypeAlias
 
 from dissoc.buffers import BytesLike, byte_view, default_allocator, device_nbytes
 from dissoc.errors import DissocError, ProtocolError, ResourceError, TransportError
+from dissoc.logs import peer_log
 from dissoc.transport._inbox import Held, TaggedStore, TagWaiters
 from dissoc.transport.message import TaggedMessage
 
@@ -48,7 +48,6 @@ __all__ = [
     "Handler",
     "Listener",
     "MessageTooLargeError",
-    "RateLimitedLog",
     "ReceiveBudget",
     "ReceiveBudgetError",
     "SendData",
@@ -117,48 +116,6 @@ class ReceiveBudget:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self.used = 0
-
-
-class RateLimitedLog:
-    """At most one line per kind per ``interval`` seconds; the next line says how many were left out.
-
-    ``kind`` is any hashable (a string naming what happened); a hostile peer repeating a failure cannot fill
-    the log, and a kind that is never repeated costs one dict entry.
-    """
-
-    def __init__(self, logger: logging.Logger, interval: float = 5.0) -> None:
-        self._logger = logger
-        self._interval = interval
-        self._last: dict[object, float] = {}
-        self._suppressed: dict[object, int] = {}
-
-    def log(self, level: int, kind: object, msg: str, *args: object) -> bool:
-        """Log ``msg % args`` at ``level`` unless a line of ``kind`` was logged less than ``interval`` ago;
-        returns whether it was logged."""
-        if not self._logger.isEnabledFor(level):
-            return False
-        now = time.monotonic()
-        last = self._last.get(kind)
-        if last is not None and now - last < self._interval:
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-            return False
-        self._last[kind] = now
-        suppressed = self._suppressed.pop(kind, 0)
-        if suppressed:
-            self._logger.log(
-                level,
-                msg + " (%d more like this in the last %.0f s not logged)",
-                *args,
-                suppressed,
-                now - last if last is not None else 0.0,
-            )
-        else:
-            self._logger.log(level, msg, *args)
-        return True
-
-
-#: Rate-limited logging of what peers cause (failures they can repeat at will).
-peer_log = RateLimitedLog(logger)
 
 
 def default_max_connections() -> int:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from dissoc.buffers import DEFAULT_POOL
 from dissoc.errors import DissocError, TransportError
+from dissoc.logs import peer_log
 from dissoc.transport.base import (
     DEFAULT_MAX_BUFFERED_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -40,7 +41,6 @@ from dissoc.transport.base import (
     as_views,
     check_u64,
     fresh_error,
-    peer_log,
 )
 from dissoc.transport.registry import register_transport
 

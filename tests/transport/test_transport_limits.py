@@ -16,8 +16,9 @@ import pytest
 
 from dissoc.buffers import aligned_empty
 from dissoc.errors import ResourceError, TransportError
+from dissoc.logs import RateLimitedLog
 from dissoc.transport import TcpConnection
-from dissoc.transport.base import RateLimitedLog, ReceiveBudget, ReceiveBudgetError, TagLimitError
+from dissoc.transport.base import ReceiveBudget, ReceiveBudgetError, TagLimitError
 
 from .conftest import make_pair, raw_peer
 

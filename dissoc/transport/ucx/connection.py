@@ -16,6 +16,7 @@ import numpy as np
 
 from dissoc.buffers import BytesLike, device_nbytes
 from dissoc.errors import DissocError, ResourceError, TransportError
+from dissoc.logs import peer_log
 from dissoc.transport._inbox import Waiter
 from dissoc.transport.base import (
     DEFAULT_MAX_BUFFERED_BYTES,
@@ -28,7 +29,6 @@ from dissoc.transport.base import (
     SendData,
     as_views,
     check_u64,
-    peer_log,
 )
 from dissoc.transport.ucx.driver import MAX_ROUNDS, Driver, Pending
 from dissoc.transport.ucx.handshake import (

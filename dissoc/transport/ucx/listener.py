@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from dissoc.errors import TransportError
+from dissoc.logs import peer_log
 from dissoc.transport.base import (
     DEFAULT_MAX_BUFFERED_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -18,7 +19,6 @@ from dissoc.transport.base import (
     Handler,
     Listener,
     ReceiveBudget,
-    peer_log,
 )
 from dissoc.transport.ucx.connection import UcxConnection
 from dissoc.transport.ucx.driver import Driver
