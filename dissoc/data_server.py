@@ -51,6 +51,8 @@ _peer_log = RateLimitedLog(log)
 
 #: How often a stream whose client is at its quota looks whether it freed enough.
 _QUOTA_POLL_S = 0.02
+#: How long a request from a client still holding earlier streams past its quota waits for frees in flight.
+_FREE_GRACE_S = 1.0
 
 
 class DataPart(StreamPart):
@@ -108,11 +110,12 @@ class DataPart(StreamPart):
 
     async def _wait_for_quota(self, ledger: Ledger, sent: ServerMessage, nbytes: int) -> None:
         """The client would hold more than its quota awaiting free_data. The stream fails with
-        ``quota_exceeded`` at once when what the client held before it leaves no room (it asks again without
-        freeing: waiting would not help). Within one stream the quota only holds back a client while others
-        wait for room in the arena: then the stream waits for its client to free (backpressure, as a full
-        arena gives) and fails when it frees nothing for ``unfreed_wait`` seconds. Alone, a client may fill
-        the arena with one stream (a spec-following client may free only at the end of a stream that fits)."""
+        ``quota_exceeded`` when what the client held before it leaves no room and it frees nothing within a
+        second (it asks again without freeing; frees already in flight are waited for). Within one stream the
+        quota only holds back a client while others wait for room in the arena: then the stream waits for its
+        client to free (backpressure, as a full arena gives) and fails when it frees nothing for
+        ``unfreed_wait`` seconds. Alone, a client may fill the arena with one stream (a spec-following client
+        may free only at the end of a stream that fits)."""
         conn, quota = self._conn, self._quota
         loop = asyncio.get_running_loop()
         held = ledger.live_bytes_of(conn)
@@ -122,7 +125,11 @@ class DataPart(StreamPart):
             why = None
             contended = self._placements is not None and self._placements.hungry > 0
             if self._held_before and self._held_before + nbytes > quota:
-                why = f"{self._held_before} of them listed before this stream"
+                # frees already on their way (a client may send free_data and want_data back to back, and
+                # they are read by different tasks) are waited for briefly; a client that does not free is
+                # refused then
+                if loop.time() - since > _FREE_GRACE_S:
+                    why = f"{self._held_before} of them listed before this stream"
             elif not contended:
                 return
             elif loop.time() - since > self._options.unfreed_wait:
