@@ -33,6 +33,7 @@ from dissoc.protocol import (
     BODY_ERROR,
     BODY_PACKED,
     BODY_PAIRS,
+    PAIRS_HEADER_SIZE,
     SEQ_MODULUS,
     ClientState,
     ClientStream,
@@ -379,17 +380,23 @@ class _Session:
             if self.device is not None:
                 self.device.schema(ev.metadata)
             return self.decoder.decode(ev.metadata)
+        body = ev.body
+        # What the body reader counted in flight goes back now, pair lists included (reading paused on them
+        # too, and before this never resumed).
+        n = (
+            0
+            if body is None
+            else (_pairs_nbytes(body) if isinstance(body, PairList) else buffer_nbytes(body))
+        )
+        self.in_flight -= n
+        if self.reading_paused and self.in_flight <= self.options.max_in_flight_bytes // 2:
+            self.reading_paused = False
+            if self.data_conn is not None:
+                self.data_conn.resume_reading()
         if ev.body_type == BODY_PAIRS:
             return self._decode_pairs(ev)
         if ev.body_type != BODY_PACKED:
             raise ProtocolError(f"message {fmt_seq(ev.seq)}: unknown body type {ev.body_type}")
-        body = ev.body
-        n = 0 if body is None else buffer_nbytes(body)
-        self.in_flight -= n
-        if self.reading_paused and self.in_flight < self.options.max_in_flight_bytes // 2:
-            self.reading_paused = False
-            if self.data_conn is not None:
-                self.data_conn.resume_reading()
         self.flow.set()
         batch: Batch | None
         if self.device is not None:
@@ -919,3 +926,8 @@ def open_stream(
 ) -> StreamReader:
     """Open a dissoc stream for synchronous iteration (``pyarrow.ipc.open_stream``'s counterpart)."""
     return StreamReader(uri, ticket, data_uri=data_uri, options=options)
+
+
+def _pairs_nbytes(pairs: PairList) -> int:
+    """The size of the pair-list message a :class:`PairList` was decoded from (what was counted in flight)."""
+    return PAIRS_HEADER_SIZE + 16 * pairs.count
