@@ -179,10 +179,10 @@ async def test_soak_tcp(args: list[str], fetches: int, modes: list[Mode], source
     await _soak(args, fetches, sources, modes, seed=len(args) * 7 + fetches)
 
 
-# Known bug, not fixed yet: ucxx keeps every per-connection worker alive (a posted am_recv that never completes
-# holds request -> endpoint -> worker, and so do non-blocking endpoint closes that never complete), ~10 fds and
-# 4 MiB per connection. A FIN exchange that completes both fixes it but tripled same-host fetch latency; see
-# the README's known limits. Every table still arrives correct; only the resource check fails.
+# Known bug, not fixed yet: ucxx keeps every per-connection worker alive (a posted am_recv that never
+# completes holds request -> endpoint -> worker, and so do non-blocking endpoint closes that never complete),
+# ~10 fds and 4 MiB per connection. A FIN exchange that completes both fixes it but tripled same-host fetch
+# latency; see the README's known limits. Every table still arrives correct; only the resource check fails.
 @pytest.mark.xfail(strict=True, reason="ucxx leaks each per-connection UCX worker (fds and memory)")
 @pytest.mark.ucx
 @pytest.mark.timeout(120)
