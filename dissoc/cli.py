@@ -72,6 +72,15 @@ def _connections(text: str) -> int | str | None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    # The limits' defaults are the server's own (one definition each).
+    from dissoc.role_server import (
+        DEFAULT_IDLE_TIMEOUT,
+        DEFAULT_MAX_FREE_DATA_BYTES,
+        DEFAULT_MAX_TICKET_BYTES,
+        DEFAULT_WANT_DATA_TIMEOUT,
+    )
+    from dissoc.server.server import DEFAULT_MAX_CONNECTIONS_PER_PEER, DEFAULT_MAX_RECEIVING_BYTES
+
     p = argparse.ArgumentParser(
         prog="dissoc", description="Arrow Dissociated IPC: serve and fetch Arrow data."
     )
@@ -133,35 +142,39 @@ def _parser() -> argparse.ArgumentParser:
         help="connections open at once (split: half per port); 'auto' (default) stays below the fd limit",
     )
     lim.add_argument(
-        "--max-connections-per-peer", type=_limit, default=64, metavar="N", help="per client address (64)"
+        "--max-connections-per-peer",
+        type=_limit,
+        default=DEFAULT_MAX_CONNECTIONS_PER_PEER,
+        metavar="N",
+        help=f"per client address ({DEFAULT_MAX_CONNECTIONS_PER_PEER})",
     )
     lim.add_argument(
         "--want-data-timeout",
         type=_seconds,
-        default=10.0,
+        default=DEFAULT_WANT_DATA_TIMEOUT,
         metavar="S",
-        help="time to send a complete want_data after connecting or after a stream (10)",
+        help=f"time to send a whole want_data after connecting or a stream ({DEFAULT_WANT_DATA_TIMEOUT:g})",
     )
     lim.add_argument(
         "--idle-timeout",
         type=_seconds,
-        default=300.0,
+        default=DEFAULT_IDLE_TIMEOUT,
         metavar="S",
-        help="a connection with no request, no stream and no listed ranges is dropped after this (300)",
+        help=f"no request, no stream and no ranges held for this long: dropped ({DEFAULT_IDLE_TIMEOUT:g})",
     )
     lim.add_argument(
         "--max-ticket-bytes",
         type=_positive_int,
-        default=64 << 10,
+        default=DEFAULT_MAX_TICKET_BYTES,
         metavar="N",
-        help="want_data payload (64 KiB)",
+        help=f"want_data payload ({DEFAULT_MAX_TICKET_BYTES})",
     )
     lim.add_argument(
         "--max-free-data-bytes",
         type=_positive_int,
-        default=8 << 20,
+        default=DEFAULT_MAX_FREE_DATA_BYTES,
         metavar="N",
-        help="free_data payload (8 MiB: 1 Mi ranges)",
+        help=f"free_data payload ({DEFAULT_MAX_FREE_DATA_BYTES})",
     )
     lim.add_argument(
         "--max-unfreed-mib",
@@ -173,9 +186,9 @@ def _parser() -> argparse.ArgumentParser:
     lim.add_argument(
         "--max-receiving-mib",
         type=_limit,
-        default=1024,
+        default=DEFAULT_MAX_RECEIVING_BYTES >> 20,
         metavar="MIB",
-        help="bytes being received across all connections (1024)",
+        help=f"bytes being received across all connections ({DEFAULT_MAX_RECEIVING_BYTES >> 20})",
     )
 
     g = sub.add_parser("get", help="fetch one stream; prints a JSON summary")
