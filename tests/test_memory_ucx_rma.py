@@ -25,6 +25,7 @@ import pytest
 
 from dissoc.errors import TransportError
 from dissoc.memory import ucx_rma as rma
+from dissoc.transport.ucx import libucp
 
 # Quiet UCX about the UCX_* variables that importing ucxx (elsewhere in the suite) sets.
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -32,10 +33,16 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 # name -> (sizeof, {field: offsetof}) as gcc computes them from the libucx 1.21 wheel's headers on x86-64
 # (ucp.h / ucp_def.h); the header-compiling test below recomputes them from the installed headers.
 EXPECTED_LAYOUT: dict[str, tuple[type[ctypes.Structure], int, dict[str, int]]] = {
-    "ucp_params_t": (rma.UcpParams, 88, {"field_mask": 0, "features": 8, "name": 72}),
-    "ucp_worker_params_t": (rma.UcpWorkerParams, 200, {"field_mask": 0, "thread_mode": 8}),
+    "ucp_params_t": (libucp.UcpParams, 88, {"field_mask": 0, "features": 8, "name": 72}),
+    "ucp_am_handler_param_t": (
+        libucp.UcpAmHandlerParam,
+        32,
+        {"field_mask": 0, "id": 8, "flags": 12, "cb": 16, "arg": 24},
+    ),
+    "ucp_am_recv_param_t": (libucp.UcpAmRecvParam, 16, {"recv_attr": 0, "reply_ep": 8}),
+    "ucp_worker_params_t": (libucp.UcpWorkerParams, 200, {"field_mask": 0, "thread_mode": 8}),
     "ucp_ep_params_t": (
-        rma.UcpEpParams,
+        libucp.UcpEpParams,
         104,
         {
             "field_mask": 0,
@@ -51,7 +58,7 @@ EXPECTED_LAYOUT: dict[str, tuple[type[ctypes.Structure], int, dict[str, int]]] =
         },
     ),
     "ucp_mem_map_params_t": (
-        rma.UcpMemMapParams,
+        libucp.UcpMemMapParams,
         48,
         {
             "field_mask": 0,
@@ -64,7 +71,7 @@ EXPECTED_LAYOUT: dict[str, tuple[type[ctypes.Structure], int, dict[str, int]]] =
         },
     ),
     "ucp_request_param_t": (
-        rma.UcpRequestParam,
+        libucp.UcpRequestParam,
         72,
         {
             "op_attr_mask": 0,
@@ -109,6 +116,15 @@ CONSTANTS = {
     "UCP_OP_ATTR_FIELD_CALLBACK": "UCP_OP_ATTR_FIELD_CALLBACK",
     "UCP_OP_ATTR_FIELD_FLAGS": "UCP_OP_ATTR_FIELD_FLAGS",
     "UCS_CPU_SETSIZE": "UCS_CPU_SETSIZE",
+    "UCS_ERR_NO_MEMORY": "UCS_ERR_NO_MEMORY",
+    "UCP_AM_HANDLER_PARAM_FIELD_ID": "UCP_AM_HANDLER_PARAM_FIELD_ID",
+    "UCP_AM_HANDLER_PARAM_FIELD_FLAGS": "UCP_AM_HANDLER_PARAM_FIELD_FLAGS",
+    "UCP_AM_HANDLER_PARAM_FIELD_CB": "UCP_AM_HANDLER_PARAM_FIELD_CB",
+    "UCP_AM_HANDLER_PARAM_FIELD_ARG": "UCP_AM_HANDLER_PARAM_FIELD_ARG",
+    "UCP_AM_FLAG_WHOLE_MSG": "UCP_AM_FLAG_WHOLE_MSG",
+    "UCP_AM_RECV_ATTR_FIELD_REPLY_EP": "UCP_AM_RECV_ATTR_FIELD_REPLY_EP",
+    "UCP_AM_RECV_ATTR_FLAG_DATA": "UCP_AM_RECV_ATTR_FLAG_DATA",
+    "UCP_AM_RECV_ATTR_FLAG_RNDV": "UCP_AM_RECV_ATTR_FLAG_RNDV",
     "UCP_API_MAJOR": "UCP_API_MAJOR",
     "UCP_API_MINOR": "UCP_API_MINOR",
 }
@@ -141,15 +157,23 @@ def test_struct_layout_matches_header_values(c_name: str) -> None:
 
 def test_status_pointer_helpers() -> None:
     # UCS_PTR_IS_ERR / UCS_PTR_IS_PTR / UCS_PTR_STATUS on NULL, errors and a real pointer
-    assert not rma.ptr_is_err(None) and not rma.ptr_is_ptr(None) and rma.ptr_status(None) == rma.UCS_OK
+    assert (
+        not libucp.ptr_is_err(None)
+        and not libucp.ptr_is_ptr(None)
+        and libucp.ptr_status(None) == libucp.UCS_OK
+    )
     for status in (-1, -16, -20, -100):
         ptr = status % (1 << 64)
-        assert rma.ptr_is_err(ptr) and not rma.ptr_is_ptr(ptr)
-        assert rma.ptr_status(ptr) == status
+        assert libucp.ptr_is_err(ptr) and not libucp.ptr_is_ptr(ptr)
+        assert libucp.ptr_status(ptr) == status
     ptr = 0x7F00_1234_5678
-    assert rma.ptr_is_ptr(ptr) and not rma.ptr_is_err(ptr) and rma.ptr_status(ptr) == rma.UCS_INPROGRESS
+    assert (
+        libucp.ptr_is_ptr(ptr)
+        and not libucp.ptr_is_err(ptr)
+        and libucp.ptr_status(ptr) == libucp.UCS_INPROGRESS
+    )
     # -101 is not an error value: it is treated as a pointer (as in C)
-    assert not rma.ptr_is_err((-101) % (1 << 64))
+    assert not libucp.ptr_is_err((-101) % (1 << 64))
 
 
 def test_import_does_not_load_libucp() -> None:
@@ -198,7 +222,7 @@ def test_constants_match_header_enums() -> None:
     assert re.search(r"\{\s*UCP_ERR_HANDLING_MODE_NONE,", text)
     for ours, theirs in CONSTANTS.items():
         assert theirs in values, theirs
-        assert getattr(rma, ours) == values[theirs], ours
+        assert getattr(libucp, ours) == values[theirs], ours
     # ucs_status_t is a packed enum: one byte, which is why functions returning it use c_int8
     assert re.search(r"\}\s*UCS_S_PACKED\s+ucs_status_t\s*;", text)
 
@@ -251,10 +275,10 @@ def _arena(n: int = ARENA, seed: int = 7) -> np.ndarray[Any, np.dtype[np.uint8]]
 
 @pytest.mark.ucx
 def test_library_found() -> None:
-    path = rma.libucp_path()
+    path = libucp.libucp_path()
     assert path is not None and "libucp" in path
-    assert rma.status_string(rma.UCS_OK) == "Success"
-    assert rma.status_string(rma.UCS_ERR_CANCELED)  # some message
+    assert libucp.status_string(libucp.UCS_OK) == "Success"
+    assert libucp.status_string(libucp.UCS_ERR_CANCELED)  # some message
 
 
 @pytest.mark.ucx

@@ -311,6 +311,7 @@ class Connection(abc.ABC):
             self._blocked -= 1
             if not future.done():
                 future.cancel()
+            del future  # see recv_tagged
 
     async def recv_tagged(self, tag: int, mask: int = TAG_MASK_ALL) -> TaggedMessage:
         """The next received tagged message with ``(message_tag & mask) == (tag & mask)``.
@@ -344,6 +345,9 @@ class Connection(abc.ABC):
             self._tag_waiters.discard(waiter)
             if not future.done():
                 future.cancel()
+            # A raised error's traceback keeps this frame, and the future keeps the error: without this the
+            # connection stays alive until the garbage collector finds the cycle.
+            del future, waiter
 
     async def close(self) -> None:
         """Close the connection: pending and later sends and receives raise ``TransportError``."""

@@ -12,6 +12,7 @@ installed): fewer, packed bodies and pairs read with RMA.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
 import time
@@ -22,7 +23,7 @@ import pyarrow as pa
 import pytest
 from e2e_helpers import within
 
-from dissoc.client import ClientOptions, fetch_async, settle
+from dissoc.client import ClientOptions, fetch_async, settle, stream_batches
 from reliability._util import (
     open_fds,
     rss,
@@ -179,11 +180,6 @@ async def test_soak_tcp(args: list[str], fetches: int, modes: list[Mode], source
     await _soak(args, fetches, sources, modes, seed=len(args) * 7 + fetches)
 
 
-# Known bug, not fixed yet: ucxx keeps every per-connection worker alive (a posted am_recv that never
-# completes holds request -> endpoint -> worker, and so do non-blocking endpoint closes that never complete),
-# ~10 fds and 4 MiB per connection. A FIN exchange that completes both fixes it but tripled same-host fetch
-# latency; see the README's known limits. Every table still arrives correct; only the resource check fails.
-@pytest.mark.xfail(strict=True, reason="ucxx leaks each per-connection UCX worker (fds and memory)")
 @pytest.mark.ucx
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
@@ -199,3 +195,40 @@ async def test_soak_tcp(args: list[str], fetches: int, modes: list[Mode], source
 )
 async def test_soak_ucx(args: list[str], modes: list[Mode], sources: Any) -> None:
     await _soak(args, UCX_FETCHES, sources, modes, seed=3)
+
+
+async def _abandon(uri: str, ticket: str, after: int) -> None:
+    """Read ``after`` batches of the stream, then close it (the consumer stops mid-stream)."""
+    batches = stream_batches(uri, ticket, options=ClientOptions(timeout=30))
+    async with contextlib.aclosing(batches):
+        seen = 0
+        async for _ in batches:
+            seen += 1
+            if seen == after:
+                return
+    raise AssertionError(f"the stream of {ticket!r} ended after {seen} batches, before the client stopped")
+
+
+@pytest.mark.ucx
+@pytest.mark.timeout(120)
+async def test_ucx_streams_closed_mid_way_release_the_server(sources: Any) -> None:
+    """Consumers that stop reading after two batches and close, four at a time, while the server still has
+    rendezvous sends under way to them: every per-connection worker goes (the closing exchange lets those
+    sends complete), so the server's fds come back exactly and its RSS within the margin."""
+    tables, paths = sources
+    name = next(n for n, t in tables.items() if len(t.to_batches()) >= 4)
+    with serve_process("--transport", "ucx", *paths, count=len(paths)) as (proc, lines):
+        uri = lines[name]["uri"]
+        await within(60, asyncio.gather(*(_abandon(uri, name, 2) for _ in range(4))), "warm-up")
+        base_fds = await _steady_fds(proc.pid)
+        base_rss = rss(proc.pid)
+        for _ in range(6):
+            await within(60, asyncio.gather(*(_abandon(uri, name, 2) for _ in range(4))), "abandoned streams")
+        fds = await _settled(proc.pid, base_fds, 10)
+        end_rss = rss(proc.pid)
+        print(
+            f"\n24 abandoned UCX streams: server fds {base_fds} -> {fds}, "
+            f"RSS {(end_rss - base_rss) / 2**20:+.1f} MiB"
+        )
+        assert fds <= base_fds, f"the server holds {fds - base_fds} more fds after 24 abandoned streams"
+        assert end_rss <= base_rss + RSS_MARGIN

@@ -2,7 +2,8 @@
 
 Mapping (DESIGN.md section 3, the reference example's): tagged messages (want_data, free_data, bodies) are UCX
 tagged messages carrying the u64 tag as given (no per-endpoint tag mixing); untagged messages (the metadata
-stream) are UCX active messages (ucxx's AM API, which prepends its own small header to each message).
+stream) are UCX active messages, id 0 (sent with ucxx's AM API, which prepends its own small header; received
+by :mod:`~dissoc.transport.ucx.am` through libucp, which ignores any header).
 
 **One worker per connection.** A UCX tag receive does not say which endpoint sent the message, so a server
 whose connections shared one worker could not tell its clients' want_data/free_data apart. ucxx's Python API
@@ -27,8 +28,15 @@ first) the worker is probed with ``UCXXTag(tag)``/``UCXXTagMask(mask)``; the pro
 length before any payload is placed, so the allocator (:meth:`Connection.set_allocator`) provides the buffer,
 and ``max_message_bytes`` is checked before it is called. Messages nobody waits for are taken (in arrival
 order, probing with mask 0) while the buffering budget allows; the rest stay in UCX (large ones as a
-rendezvous announcement only, so the sender waits: UCX's own flow control). Active messages are received by
-ucxx as they arrive, into memory it allocates; their size limit can only be checked after the fact.
+rendezvous announcement only, so the sender waits: UCX's own flow control). Active messages are received as
+they arrive, by :class:`~dissoc.transport.ucx.am.AmReceiver` (their size is checked before anything is
+allocated), and handed to the inbox in order while reading is admitted.
+
+**Closing** is an exchange: each side sends ``BYE_TAG`` as its last message, then takes and drops what the
+other still sends until the other's ``BYE_TAG`` (so every send under way completes on both sides), then closes
+its endpoints and waits for UCX to complete the closes. A UCX request that never completes holds its endpoint,
+and the endpoint its worker, for the life of the process; so would a receive left in ucxx's queues, which is
+why active messages do not go through them.
 
 **Sending.** One UCX message per message: a single buffer is sent as is (held until UCX completes the send);
 a list of buffers is first gathered into one (a copy). ``send`` returns when UCX has completed the request.
@@ -45,6 +53,8 @@ they are taken back out of ``os.environ`` at once and passed to dissoc's UCX con
 instead (``UCX_*`` variables the user set still win).
 
 **Modules.** :mod:`~dissoc.transport.ucx.library` (ucxx, loaded lazily, and the UCX context),
+:mod:`~dissoc.transport.ucx.libucp` (libucp's C API through ctypes),
+:mod:`~dissoc.transport.ucx.am` (receiving active messages),
 :mod:`~dissoc.transport.ucx.driver` (progress), :mod:`~dissoc.transport.ucx.handshake` (its constants and
 messages), :mod:`~dissoc.transport.ucx.connection` (:class:`UcxConnection`, :func:`connect_ucx`) and
 :mod:`~dissoc.transport.ucx.listener` (:class:`UcxListener`, :func:`serve_ucx`).

@@ -8,7 +8,6 @@ import binascii
 import contextlib
 import logging
 import socket
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +29,7 @@ from dissoc.transport.base import (
     as_views,
     check_u64,
 )
+from dissoc.transport.ucx.am import AmReceiver
 from dissoc.transport.ucx.driver import MAX_ROUNDS, Driver, Pending
 from dissoc.transport.ucx.handshake import (
     BYE_TAG,
@@ -59,12 +59,12 @@ logger = logging.getLogger(__name__)
 
 #: Connection paths (see the package docstring).
 PATHS = ("auto", "listener", "address")
-#: Untagged messages up to this size are handed out as ``bytes`` (larger ones as a memoryview, no copy).
-_SMALL_UNTAGGED = 64 * 1024
 #: Seconds a closing connection waits for its outstanding sends before it closes the endpoints.
 _CLOSE_WAIT = 2.0
-#: Seconds a closed connection keeps progressing its worker for the endpoint close exchange with the peer.
+#: Seconds a closed connection keeps progressing its worker for the closing exchange with the peer.
 _RELEASE_WAIT = 1.0
+#: Largest buffer a message that arrives after the close is received into (larger ones are truncated).
+_DISCARD_BYTES = 1 << 20
 
 
 class _TaggedRecv:
@@ -119,13 +119,20 @@ class UcxConnection(Connection):
         self._ep = endpoint
         self._bootstrap: Any = bootstrap
         self._bootstrap_driver = bootstrap_driver
-        self._am_queue: deque[Any] = deque()
         self._tagged: list[_TaggedRecv] = []
         self._inflight = 0
         self._claimed: dict[int, int] = {}
         self._peer_gone = False
+        #: The peer's BYE arrived (it sends nothing after it); ours was sent.
+        self._peer_bye = False
+        self._bye_sent = False
         self._closing = False
         self._release_task: asyncio.Task[None] | None = None
+        try:
+            # Untagged messages are received by dissoc, not by ucxx (see dissoc.transport.ucx.am).
+            self._am = AmReceiver(int(self._worker.handle), max_message_bytes, description)
+        except Exception as exc:
+            raise TransportError(f"{description}: cannot receive active messages: {exc}") from exc
         driver.on_progress = self._on_progress
         driver.on_error = self._teardown
         driver.busy = self._busy
@@ -192,7 +199,7 @@ class UcxConnection(Connection):
     # ---------------------------------------------------------------------------------------------- receiving
 
     def _busy(self) -> bool:
-        return bool(self._tagged or self._am_queue or self._blocked)
+        return bool(self._tagged or self._am.busy or self._blocked)
 
     def _on_flow(self) -> None:
         self._driver.kick()
@@ -236,66 +243,32 @@ class UcxConnection(Connection):
                 self._claimed.pop(waiter, None)
 
     def _pump_untagged(self, force: bool = False) -> bool:
-        """Deliver completed active messages in order; keep one receive posted while reading is admitted.
-
-        (ucxx's ``am_probe`` stays true once a message was seen from the endpoint, so it cannot tell whether
-        another one is waiting; a posted ``am_recv`` completes as soon as one is there.)
-        """
+        """Hand the untagged messages that have arrived to the inbox, in order, while reading is admitted
+        (``force``: all of them, the peer is gone)."""
+        am = self._am
+        if am.error is not None:
+            self._teardown(am.error)
+            return True
         activity = False
-        queue = self._am_queue
         while not self._closed:
-            if queue:
-                request = queue[0]
-                if not request.completed:
-                    break
-                queue.popleft()
-                activity = True
-                self._finish_untagged(request)
-                continue
-            if not (force or self._may_take(0, any(not f.done() for f in self._untagged_waiters))):
+            length = am.ready()
+            if length is None:
+                if am.error is not None:
+                    self._teardown(am.error)
+                    return True
                 break
-            try:
-                queue.append(self._ep.am_recv())
-            except Exception as exc:
-                self._teardown(
-                    TransportError(f"{self._description}: receiving an untagged message failed: {exc}")
-                )
-                return True
-            if not queue[0].completed:
+            if not (force or self._may_take(length, any(not f.done() for f in self._untagged_waiters))):
                 break
+            message = am.pop()
+            activity = True
+            if self._budget is not None:
+                try:
+                    self._reserve(len(message))
+                except DissocError as exc:
+                    self._teardown(exc)
+                    return True
+            self._deliver_untagged(message)
         return activity
-
-    def _finish_untagged(self, request: Any) -> None:
-        try:
-            request.check_error()
-            buffer = request.recv_buffer
-        except Exception as exc:
-            self._teardown(
-                TransportError(f"{self._description}: receiving an untagged message failed: {exc}")
-            )
-            return
-        if buffer is None:
-            message: bytes | memoryview = b""
-        else:
-            view = buffer.data if isinstance(buffer, np.ndarray) else memoryview(buffer)
-            if view.ndim != 1 or view.format != "B":
-                view = view.cast("B")
-            if view.nbytes > self._max_message_bytes:
-                self._teardown(
-                    MessageTooLargeError(
-                        f"{self._description}: the peer sent an untagged message of {view.nbytes} bytes; "
-                        f"the limit (max_message_bytes) is {self._max_message_bytes}"
-                    )
-                )
-                return
-            message = bytes(view) if view.nbytes <= _SMALL_UNTAGGED else view
-        if self._budget is not None:
-            try:
-                self._reserve(len(message))
-            except DissocError as exc:
-                self._teardown(exc)
-                return
-        self._deliver_untagged(message)
 
     def _may_take(self, length: int, wanted: bool) -> bool:
         """May a message of ``length`` bytes be taken from UCX now (``wanted``: a consumer waits for it)?
@@ -375,6 +348,7 @@ class UcxConnection(Connection):
         """The peer announced that it closes: consume the notice, then drain and fail like a lost peer."""
         probe = self._worker.tag_probe(ucx_tag(BYE_TAG), ucx_mask(TAG_MASK_ALL), True)
         if probe.matched:
+            self._peer_bye = True
             sink = bytearray(max(1, min(length, MAX_HELLO)))
             with contextlib.suppress(Exception):
                 self._driver.pending.append(
@@ -385,8 +359,9 @@ class UcxConnection(Connection):
 
     def _send_bye(self) -> asyncio.Future[None] | None:
         """Tell the peer this side closes (it may not learn it otherwise on the address path)."""
-        if self._ep is None or self._peer_gone:
+        if self._ep is None or self._bye_sent or (self._peer_gone and not self._peer_bye):
             return None
+        self._bye_sent = True
         try:
             data = MAGIC
             array = ucx_array(data)
@@ -394,6 +369,8 @@ class UcxConnection(Connection):
         except Exception:
             return None
         future: asyncio.Future[None] = self._loop.create_future()
+        # Awaited only by a close that waits for its sends: a failure is no news to anyone else.
+        future.add_done_callback(_retrieve)
         self._driver.pending.append(Pending(request, (array, data), future))
         self._driver.kick()
         return future
@@ -419,7 +396,7 @@ class UcxConnection(Connection):
                     return
                 activity = self._pump_untagged(force=True) or activity
                 activity = self._pump_tagged(force=True) or activity
-                if not activity and not self._tagged and not self._am_queue:
+                if not activity and not self._tagged and not self._am.busy:
                     break
         except DissocError as exc:
             self._teardown(exc)
@@ -448,7 +425,7 @@ class UcxConnection(Connection):
         for item in self._tagged:
             driver.pending.append(Pending(item.request, (item.buffer, item.view), None))
         self._tagged.clear()
-        self._am_queue.clear()
+        self._am.close()
         self._claimed.clear()
         self._release_task = self._loop.create_task(self._release())
 
@@ -460,28 +437,75 @@ class UcxConnection(Connection):
         never answers) the objects are dropped anyway; ucxx then force-closes what is left.
         (``close()`` is never called on an endpoint UCX already failed: ucxx crashes on that.)
         """
-        endpoints = [self._ep, self._bootstrap]
-        for endpoint in endpoints:
-            if endpoint_alive(endpoint):
-                with contextlib.suppress(Exception):
-                    endpoint.close()
         driver = self._driver
         driver.busy = lambda: True
+        # The closing exchange: both sides send BYE as their last message, then take (and drop) whatever the
+        # other still sends until its BYE: every send either side has under way then completes, and so do
+        # the endpoint closes after it. A request UCX never completes holds its endpoint, and the endpoint
+        # its worker, for good (the worker is only progressed while this runs).
+        self._send_bye()
+        with contextlib.suppress(Exception):
+            driver.worker.cancel_inflight_requests(0, 1)  # receives posted for consumers now gone
         deadline = self._loop.time() + _RELEASE_WAIT
+        closing: list[Any] = []
+        closed = False
+        if self._peer_gone and not self._peer_bye:
+            # The peer died (no exchange to have): close at once, before anything else can end the process.
+            closing, closed = self._close_endpoints(), True
         try:
             while self._loop.time() < deadline:
-                # The bootstrap endpoint (peer-failure handling on) reports the end of the exchange; a data
-                # endpoint without it stays "alive" until it is destroyed.
-                if not endpoint_alive(endpoints[1]):
+                driver.complete()
+                if not closed:
+                    self._discard_incoming()
+                    peer_done = self._peer_bye or not endpoint_alive(self._bootstrap)
+                    if peer_done and not driver.pending:
+                        closed = True
+                        closing = self._close_endpoints()
+                if closed and all(_completed(r) for r in closing) and self._am.reap():
                     break
                 driver.kick()
                 if not self._bootstrap_driver.closed:
                     self._bootstrap_driver.kick()
-                await asyncio.sleep(0.005)
+                await asyncio.sleep(0.001)
+            else:
+                logger.debug(
+                    "%s: the closing exchange did not complete in %s s", self._description, _RELEASE_WAIT
+                )
+                if not closed:
+                    self._close_endpoints()
         finally:
             driver.close()
+            self._am.abandon()
             self._ep = None
             self._bootstrap = None
+            self._worker = None
+
+    def _close_endpoints(self) -> list[Any]:
+        """Start closing both endpoints; returns ucxx's close requests."""
+        closing: list[Any] = []
+        for endpoint in (self._ep, self._bootstrap):
+            if endpoint_alive(endpoint):
+                with contextlib.suppress(Exception):
+                    request = endpoint.close()
+                    if request is not None:
+                        closing.append(request)
+        return closing
+
+    def _discard_incoming(self) -> None:
+        """Take every tagged message that arrived and drop it (the connection is closed), noting the BYE."""
+        worker = self._worker
+        for _ in range(MAX_ROUNDS):
+            probe = worker.tag_probe(ucx_tag(0), ucx_mask(0), True)
+            if not probe.matched:
+                return
+            if int(probe.sender_tag.value) == BYE_TAG:
+                self._peer_bye = True
+            # A sink smaller than the message: UCX truncates (an error on this side only) and the sender's
+            # request completes all the same.
+            sink = np.empty(max(1, min(int(probe.length), _DISCARD_BYTES)), dtype=np.uint8)
+            with contextlib.suppress(Exception):
+                request = worker.tag_recv_with_handle(ucx_array(sink), probe)
+                self._driver.pending.append(Pending(request, sink, None))
 
     async def _close_transport(self) -> None:
         if not self._closing and not self._closed:
@@ -497,6 +521,20 @@ class UcxConnection(Connection):
         task = self._release_task
         if task is not None:
             await asyncio.shield(task)
+
+
+def _retrieve(future: asyncio.Future[None]) -> None:
+    """Mark a future's failure as seen (asyncio logs failures nobody retrieved)."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _completed(request: Any) -> bool:
+    """Whether a ucxx request has completed (or cannot be asked)."""
+    try:
+        return bool(request.completed)
+    except Exception:
+        return True
 
 
 def _device_item(data: SendData) -> tuple[Any, int] | None:

@@ -159,6 +159,8 @@ class Driver:
             await future
         except TransportError as exc:
             raise TransportError(f"{what} failed: {exc}") from exc
+        finally:
+            del future  # the error's traceback keeps this frame (see Connection.recv_tagged)
 
     def fail_pending(self, exc: TransportError) -> None:
         """Fail every waiter on an outstanding request (the requests themselves are cancelled by UCX)."""
@@ -183,3 +185,18 @@ class Driver:
         # until they complete, checked whenever a driver closes.
         _ABANDONED[:] = [(p, w) for p, w in _ABANDONED if not p.request.completed]
         _ABANDONED.extend((p, self.worker) for p in self.pending if not p.request.completed)
+        self.pending = []
+        # The owner's callbacks refer back to it (and it to this driver): without them the cycle is gone, so
+        # the worker is destroyed as soon as its owner lets go, not when the garbage collector next runs.
+        self.on_progress = _nothing
+        self.on_error = _ignore
+        self.busy = _nothing
+        self.held = _nothing
+
+
+def _nothing() -> bool:
+    return False
+
+
+def _ignore(exc: DissocError) -> None:
+    del exc
