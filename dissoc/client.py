@@ -529,8 +529,16 @@ async def resolve_endpoints(
         )
     from dissoc.flight.client import describe
 
-    timeout = (options or ClientOptions()).flight_timeout
-    info = await asyncio.to_thread(describe, uri, ticket, timeout=timeout)
+    options = options or ClientOptions()
+    info = await asyncio.to_thread(
+        describe,
+        uri,
+        ticket,
+        timeout=options.flight_timeout,
+        tls_ca=options.tls_ca,
+        tls_cert=options.tls_cert,
+        tls_key=options.tls_key,
+    )
     return list(info.endpoints), info.schema
 
 
