@@ -332,6 +332,7 @@ class TlsConnection(TcpConnection):
         self._server_side = server_side
         self._state = _State.SNIFF if server_side else _State.HANDSHAKE
         self._identity: str | None = None
+        self._version: str | None = None
         self._handshake_done: asyncio.Future[None] = self._loop.create_future()
         self._handshake_writing = False
         self._kick_scheduled = False
@@ -353,9 +354,7 @@ class TlsConnection(TcpConnection):
     @property
     def tls_version(self) -> str | None:
         """The TLS version negotiated (``"TLSv1.3"``), None before the handshake completed."""
-        if self._state is not _State.OPEN or not isinstance(self._sock, ssl.SSLSocket):
-            return None
-        return self._sock.version()
+        return self._version
 
     async def handshake(self) -> None:
         """Wait for the TLS handshake; raises :class:`~dissoc.errors.TransportError` if it failed."""
@@ -453,6 +452,7 @@ class TlsConnection(TcpConnection):
             cert = None
         if cert:
             self._identity = format_subject(cert.get("subject", ()))
+        self._version = sock.version()
         logger.debug(
             "%s: TLS handshake done (%s, %s); peer %s",
             self._description,
