@@ -366,6 +366,27 @@ async def test_flow_control_and_large_payloads_inside_tls(certs: Certs) -> None:
             assert answer == big[-16:] + len(big).to_bytes(8, "little")
 
 
+async def test_bytes_left_inside_the_tls_layer_are_read(certs: Certs) -> None:
+    """Records decrypted into the TLS layer but not yet taken wake no reader callback (the kernel has nothing
+    more): a tiny staging buffer and read budget leave most of one record there, and it must still arrive."""
+    here, there = socket.socketpair()
+    server = TlsConnection(here, server_context(certs.server_cert, certs.server_key), server_side=True)
+    client = TlsConnection(
+        there,
+        client_context(ca=certs.ca),
+        server_side=False,
+        server_hostname="localhost",
+        staging_bytes=64,
+        max_buffered_bytes=1024,
+    )
+    async with server, client:
+        await within(5, client.handshake())
+        messages = [f"{i:03d}".encode() * 25 for i in range(100)]  # ~10 KB: one TLS record
+        await server.send_many([(None, m) for m in messages])
+        for i, expected in enumerate(messages):
+            assert bytes(await within(5, client.recv(), f"message {i}")) == expected
+
+
 def test_writes_gather_small_pieces_and_slice_large_ones() -> None:
     header, small, large = b"H" * 24, b"s" * 100, bytes(range(256)) * 20000  # 5 MB
     pieces = [memoryview(p) for p in (header, small, header, large, header, small)]

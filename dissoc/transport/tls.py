@@ -54,6 +54,7 @@ from dissoc.transport.registry import register_transport
 from dissoc.transport.tcp import (
     _DIRECT_READ_MIN,
     _READ_BUDGET,
+    _STAGING_BYTES,
     TcpConnection,
     TcpListener,
     connect_socket,
@@ -315,6 +316,7 @@ class TlsConnection(TcpConnection):
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
         allocator: Allocator | None = None,
         receive_budget: ReceiveBudget | None = None,
+        staging_bytes: int = _STAGING_BYTES,
     ) -> None:
         if not server_side:
             sock = context.wrap_socket(
@@ -326,6 +328,7 @@ class TlsConnection(TcpConnection):
             max_buffered_bytes=max_buffered_bytes,
             allocator=allocator,
             receive_budget=receive_budget,
+            staging_bytes=staging_bytes,
         )
         self._description = "tls" + self._description.removeprefix("tcp")
         self._context = context
