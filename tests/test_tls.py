@@ -188,6 +188,27 @@ async def test_mutual_tls_without_client_certificate_is_refused(
     assert (await fetch_async(mtls_server.uri, "t", options=_client(certs))).num_rows > 0
 
 
+async def test_refused_clients_do_not_hold_up_a_good_one(certs: Certs, mtls_server: dissoc.Server) -> None:
+    """Clients without a certificate, plaintext clients and silent ones, all at once, while a client with a
+    certificate fetches: it gets its data, and every bad one its error."""
+    plain = mtls_server.uri.replace("tls://", "tcp://")
+    port = DissocURI.parse(mtls_server.uri).port
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(10)]
+    try:
+        bad = [fetch_async(mtls_server.uri, "t", options=_client(certs, cert=False)) for _ in range(10)]
+        bad += [fetch_async(plain, "t", options=ClientOptions(timeout=10.0)) for _ in range(10)]
+        bad_tasks = [asyncio.ensure_future(b) for b in bad]
+        started = time.perf_counter()
+        good = await within(20, fetch_async(mtls_server.uri, "t", options=_client(certs)))
+        assert good.equals(sample_table())
+        assert time.perf_counter() - started < 5
+        results = await within(20, asyncio.gather(*bad_tasks, return_exceptions=True))
+        assert all(isinstance(r, TransportError) for r in results), results
+    finally:
+        for sock in silent:
+            sock.close()
+
+
 async def test_client_certificate_from_another_ca_is_refused(
     certs: Certs, mtls_server: dissoc.Server
 ) -> None:

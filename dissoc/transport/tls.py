@@ -407,7 +407,7 @@ class TlsConnection(TcpConnection):
     def _refuse_plaintext(self, head: bytes) -> None:
         peer_log.log(
             logging.WARNING,
-            ("tls plaintext client", self._description.split("->")[0]),
+            ("tls plaintext client",),
             "%s: the client sent plaintext (first bytes %s), not a TLS handshake: refused (a TLS server is "
             "reached with its tls:// URI)",
             self._description,
@@ -485,7 +485,7 @@ class TlsConnection(TcpConnection):
 
     def _handshake_failed(self, exc: TransportError) -> None:
         if self._server_side:
-            peer_log.log(logging.INFO, ("tls handshake", str(exc)[-40:]), "%s", exc)
+            peer_log.log(logging.INFO, ("tls handshake failed",), "%s", exc)
             # Read what the client sent since: closing with unread bytes would reset the connection, and the
             # reset could discard the alert that says why before the client reads it.
             with contextlib.suppress(OSError):
