@@ -266,6 +266,8 @@ def _describe(exc: BaseException, server_side: bool, during: str) -> str:
                 "(connect with its tcp:// URI) or it refused this client"
             )
         return "the server closed the TLS session"
+    if reason == "PEER_DID_NOT_RETURN_A_CERTIFICATE":
+        return "the client presented no certificate, and this server requires one (--tls-client-ca)"
     if reason in _NOT_TLS_REASONS:
         if server_side:
             return f"the client does not speak TLS ({reason.lower()})"
