@@ -436,6 +436,15 @@ def test_server_tls_arguments_are_checked(certs: Certs, tmp_path: Path) -> None:
         client_context(key=certs.client_key)
 
 
+async def test_server_takes_a_ready_context_for_the_tls_transport(certs: Certs) -> None:
+    """``transport="tls"`` with the transport's own ``tls=`` context (for settings the PEM arguments lack)."""
+    context = server_context(certs.server_cert, certs.server_key)
+    async with dissoc.Server({"t": sample_table()}, transport="tls", tls=context) as server:
+        assert server.uri.startswith("tls://")
+        got = await fetch_async(server.uri, "t", options=_client(certs, cert=False))
+        assert got.equals(sample_table())
+
+
 def test_tls_uris_parse_and_print() -> None:
     uri = DissocURI.parse("tls://[::1]:9000?want_data=7&free_data=8")
     assert (uri.scheme, uri.host, uri.port) == ("tls", "::1", 9000)
