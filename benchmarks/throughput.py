@@ -10,6 +10,9 @@ Paths (rows of the table), all serving one Arrow IPC file written beforehand and
 - ``dissoc-tcp-split``    the same with ``--split`` (metadata and bodies on separate connections);
 - ``dissoc-tcp-pairs-shm`` combined, with bodies as address/length pairs into the server's shared memory
   (the client copies each batch out of the segment and frees it);
+- ``dissoc-tls-combined`` ``dissoc-tcp-combined`` inside TLS (``--tls-cert/--tls-key`` with a self-signed
+  certificate made by the ``openssl`` command, ``ClientOptions(tls_ca=...)``); below the table, its GB/s and
+  batches/s over the plaintext row's on each workload (TLS against plaintext: AES-GCM on one core);
 - ``dissoc-tcp-pairs-shm-zc`` the same read zero-copy (``ClientOptions(zero_copy=True)``: batches over the
   mapped segment, freed when released);
 - ``dissoc-ucx-listener``  ``--transport ucx`` (packed bodies), the client connecting through the listener
@@ -57,7 +60,9 @@ import inspect
 import json
 import os
 import platform
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
@@ -87,6 +92,9 @@ TARGETS: dict[str, float] = {"ucxx raw": 0.80, "flight do_get": 4.0}
 TARGET_WORKLOADS = ("large", "large64")
 TARGET_PREFIX = "dissoc ucx"
 UCXX_SAME_BYTES = ("ucxx raw", "ucxx raw blocking")
+#: The TLS row, compared below the table with the plaintext row of the same layout.
+TLS_LABEL = "dissoc tls combined"
+PLAIN_LABEL = "dissoc tcp combined"
 
 # ----------------------------------------------------------------------------------------------------------
 # dissoc paths
@@ -187,6 +195,23 @@ def dissoc_tcp(split: bool, pairs: bool = False) -> PathFactory:
     return dissoc_path(label, "tcp", split=split, memory="shm" if pairs else None)
 
 
+def _self_signed(stack: contextlib.ExitStack) -> tuple[str, str]:
+    """A self-signed certificate for localhost and 127.0.0.1 and its key (PEM files, removed with ``stack``),
+    made with the ``openssl`` command; the certificate is also the client's CA bundle."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise Unavailable("the TLS row needs the openssl command")
+    directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="dissoc-tls-bench-"))
+    cert, key = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+    argv = [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    argv += ["-keyout", key, "-out", cert, "-days", "1", "-subj", "/CN=localhost"]
+    argv += ["-addext", f"subjectAltName=DNS:localhost,IP:{anchors.HOST}"]
+    made = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    if made.returncode != 0:
+        raise Unavailable(f"openssl req failed: {made.stderr.strip()[-300:]}")
+    return cert, key
+
+
 def dissoc_path(
     label: str,
     transport: str,
@@ -194,11 +219,18 @@ def dissoc_path(
     split: bool = False,
     memory: str | None = None,
     fields: ClientFields | None = None,
+    tls: bool = False,
 ) -> PathFactory:
-    """A dissoc server subprocess (``--transport``; pairs in ``memory`` when given) read by the client with
-    ``ClientOptions(**fields)``."""
+    """A dissoc server subprocess (``--transport``; pairs in ``memory`` when given; inside TLS with ``tls``)
+    read by the client with ``ClientOptions(**fields)``."""
 
     def factory(dataset: Dataset, stack: contextlib.ExitStack) -> Transfer:
+        path_fields = fields
+        server_tls: list[str] = []
+        if tls:
+            cert, key = _self_signed(stack)
+            server_tls = ["--tls-cert", cert, "--tls-key", key]
+            path_fields = {**(fields or {}), "tls_ca": cert}
         if str(REPO_ROOT) not in sys.path:
             sys.path.insert(0, str(REPO_ROOT))
         serve = DISSOC_SERVE or [sys.executable, "-m", "dissoc.cli", "serve"]
@@ -209,11 +241,12 @@ def dissoc_path(
                 raise Unavailable(f"dissoc: {exc}") from None
             if not has_cli:
                 raise Unavailable("dissoc.cli does not exist yet")
-        read, api = _dissoc_reader(stack, fields)
+        read, api = _dissoc_reader(stack, path_fields)
         argv = [*serve, "--transport", transport, "--host", anchors.HOST, "--port", "0"]
         argv += [
             *(["--split"] if split else []),
             *(["--body", "pairs", "--memory", memory] if memory else []),
+            *server_tls,
         ]
         argv += [str(dataset.path)]
         lines = anchors.start_server(stack, argv, timeout=SERVER_READY_TIMEOUT)
@@ -226,7 +259,9 @@ def dissoc_path(
         data_uri = None if data_uri in (None, uri) else str(data_uri)
         if split and data_uri is None:
             raise Unavailable(f"dissoc serve --split printed no separate data_uri: {info}")
-        _API_USED[label] = api + (f"({', '.join(f'{k}={v!r}' for k, v in fields.items())})" if fields else "")
+        _API_USED[label] = api + (
+            f"({', '.join(f'{k}={v!r}' for k, v in path_fields.items())})" if path_fields else ""
+        )
 
         def transfer() -> Consumed:
             return read(uri, ticket, data_uri)
@@ -246,6 +281,7 @@ PATHS: list[tuple[str, str, PathFactory]] = [
     ("dissoc-tcp-combined", "dissoc tcp combined", dissoc_tcp(split=False)),
     ("dissoc-tcp-split", "dissoc tcp split", dissoc_tcp(split=True)),
     ("dissoc-tcp-pairs-shm", "dissoc tcp pairs-shm", dissoc_tcp(split=False, pairs=True)),
+    _dissoc_row("dissoc-tls-combined", TLS_LABEL, "tcp", tls=True),
     _dissoc_row(
         "dissoc-tcp-pairs-shm-zc",
         "dissoc tcp pairs-shm zero-copy",
@@ -383,6 +419,35 @@ def format_ceiling(results: Sequence[Measurement]) -> str:
                 f"{copy.median_gbps / flight.median_gbps:.2f}x flight"
             )
     return ("\n" + "\n".join(lines)) if lines else ""
+
+
+def tls_ratios(results: Sequence[Measurement]) -> list[dict[str, Any]]:
+    """The TLS row over the plaintext row, per workload where both ran."""
+    out = []
+    for tls in (r for r in results if r.path == TLS_LABEL and r.ok):
+        plain = next(
+            (r for r in results if r.path == PLAIN_LABEL and r.workload == tls.workload and r.ok), None
+        )
+        if plain is not None:
+            out.append(
+                {
+                    "workload": tls.workload,
+                    "tls_GBps": round(tls.median_gbps, 4),
+                    "plain_GBps": round(plain.median_gbps, 4),
+                    "ratio": round(tls.median_gbps / plain.median_gbps, 4),
+                    "batches_ratio": round(tls.median_batches_per_s / plain.median_batches_per_s, 4),
+                }
+            )
+    return out
+
+
+def format_tls(ratios: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        f"  {TLS_LABEL} / {PLAIN_LABEL} on {r['workload']}: {r['ratio']:.2f}x GB/s "
+        f"({r['tls_GBps']:.2f} vs {r['plain_GBps']:.2f}), {r['batches_ratio']:.2f}x batches/s"
+        for r in ratios
+    ]
+    return ("\n\nTLS against plaintext:\n" + "\n".join(lines)) if lines else ""
 
 
 def _machine() -> dict[str, Any]:
@@ -528,6 +593,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = format_table(results)
     if checks:
         text += "\n\n" + format_targets(checks) + format_ceiling(results)
+    text += format_tls(tls_ratios(results))
     if args.json:
         print(text, file=sys.stderr)
         report = {
@@ -543,6 +609,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for r in results
             ],
             "targets": checks,
+            "tls": tls_ratios(results),
         }
         json.dump(report, sys.stdout, indent=2)
         print()

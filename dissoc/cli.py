@@ -191,6 +191,8 @@ def _parser() -> argparse.ArgumentParser:
         help=f"bytes being received across all connections ({DEFAULT_MAX_RECEIVING_BYTES >> 20})",
     )
 
+    _tls_serve_flags(s)
+
     g = sub.add_parser("get", help="fetch one stream; prints a JSON summary")
     g.add_argument(
         "uri",
@@ -220,12 +222,62 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="pairs: batches over the server's shared (or, landing on the device, CUDA IPC) memory",
     )
+    _tls_get_flags(g)
     c = sub.add_parser(
         "cleanup",
         help="remove the shared-memory segments killed dissoc servers left behind; prints a JSON summary",
     )
     c.add_argument("--dir", default=None, help="where POSIX shared memory lives (default /dev/shm)")
     return p
+
+
+def _tls_serve_flags(s: argparse.ArgumentParser) -> None:
+    from dissoc.transport.tls import DEFAULT_HANDSHAKE_TIMEOUT
+
+    t = s.add_argument_group(
+        "TLS", "serve tls:// URIs (and grpc+tls:// with --flight); see the README's 'Running on a cluster'"
+    )
+    t.add_argument(
+        "--tls-cert", metavar="PEM", help="the server's certificate chain (names the host clients use)"
+    )
+    t.add_argument("--tls-key", metavar="PEM", help="the server's private key (unencrypted PEM)")
+    t.add_argument(
+        "--tls-client-ca",
+        metavar="PEM",
+        help="mutual TLS: clients must present a certificate signed by a CA in this bundle",
+    )
+    t.add_argument(
+        "--tls-handshake-timeout",
+        type=_seconds,
+        default=DEFAULT_HANDSHAKE_TIMEOUT,
+        metavar="S",
+        help=f"a connection that has not completed its TLS handshake by then is dropped "
+        f"({DEFAULT_HANDSHAKE_TIMEOUT:g})",
+    )
+
+
+def _tls_get_flags(g: argparse.ArgumentParser) -> None:
+    t = g.add_argument_group("TLS", "for tls:// URIs and grpc+tls:// control planes")
+    t.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        help="CA bundle the server's certificate is checked against (default: system's)",
+    )
+    t.add_argument(
+        "--tls-cert", metavar="PEM", help="this client's certificate, for servers that require one"
+    )
+    t.add_argument("--tls-key", metavar="PEM", help="this client's private key")
+
+
+def _tls_serve_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Server and control-plane keywords for the TLS flags (none without --tls-cert)."""
+    if args.tls_cert is None:
+        if args.tls_key is not None or args.tls_client_ca is not None:
+            raise DissocError("--tls-key and --tls-client-ca need --tls-cert")
+        return {}
+    if args.tls_key is None:
+        raise DissocError("--tls-cert needs --tls-key (the certificate's private key)")
+    return {"tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_client_ca": args.tls_client_ca}
 
 
 # --------------------------------------------------------------------------------------------------- serve
@@ -249,6 +301,7 @@ async def _serve(args: argparse.Namespace) -> int:
             batches = DeviceBatch.from_batches(ds.schema, list(ds.open()))
             datasets[name] = DeviceDataset(name, batches, schema=ds.schema)
             ds.close()
+    tls = _tls_serve_options(args)
     server = Server(
         datasets,
         host=args.host,
@@ -269,6 +322,8 @@ async def _serve(args: argparse.Namespace) -> int:
         max_free_data_bytes=args.max_free_data_bytes,
         max_receiving_bytes=None if args.max_receiving_mib is None else args.max_receiving_mib << 20,
         max_unfreed_bytes=None if args.max_unfreed_mib is None else args.max_unfreed_mib << 20,
+        tls_handshake_timeout=args.tls_handshake_timeout,
+        **tls,
     )
     async with contextlib.AsyncExitStack() as running:
         await running.enter_async_context(server)
@@ -276,7 +331,7 @@ async def _serve(args: argparse.Namespace) -> int:
         if args.flight is not None:
             from dissoc.flight import FlightControlPlane
 
-            plane = FlightControlPlane(server, host=args.host, port=args.flight)
+            plane = FlightControlPlane(server, host=args.host, port=args.flight, **tls)
             await running.enter_async_context(plane)
             flight_location = plane.location
         # Handlers first: a script may signal the moment it reads the ready lines.
@@ -331,6 +386,9 @@ async def _get(args: argparse.Namespace) -> int:
         landing=args.landing,
         zero_copy=args.zero_copy,
         flight_timeout=args.timeout,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
     stats = FetchStats()
     progress = _Progress(not args.no_progress)

@@ -90,9 +90,9 @@ class ClientOptions:
     ``max_in_flight_bytes``: received body bytes waiting for the consumer before reading pauses.
     ``max_buffered_bytes``: the transport's own read-ahead budget per connection.
     ``window``: how many sequence numbers metadata or bodies may run ahead of the next batch to release.
-    ``ordered_metadata``: the metadata transport delivers in order (default: true for ``tcp``), so a gap,
-    a duplicate or a wrong end-of-stream count is an error at once; otherwise metadata may arrive in any
-    order (the spec's sequence numbers allow it) and a gap is only reported when the timeout expires.
+    ``ordered_metadata``: the metadata transport delivers in order (default: true for ``tcp`` and ``tls``),
+    so a gap, a duplicate or a wrong end-of-stream count is an error at once; otherwise metadata may arrive in
+    any order (the spec's sequence numbers allow it) and a gap is only reported when the timeout expires.
     ``ucx_path``: how a ``ucx`` connection is set up: ``"listener"`` (host:port, works across hosts),
     ``"address"`` (the URI's ``worker`` address, same host) or ``"auto"`` (the address path when the server's
     host is this machine).
@@ -106,6 +106,10 @@ class ClientOptions:
     uncompressed bodies). See :mod:`dissoc.device.landing` for how each body gets there.
     ``flight_timeout``: seconds a Flight control plane (a ``grpc://`` location) may take to describe a
     dataset before the fetch fails.
+    ``tls_ca``, ``tls_cert``, ``tls_key``: PEM files for ``tls://`` URIs and ``grpc+tls://`` control planes:
+    the CA bundle the server's certificate must be signed by (None: the system's trusted roots), and this
+    client's certificate and key for servers that require one (mutual TLS). A ``tcp://`` URI is plaintext
+    whatever these say.
     """
 
     timeout: float = 30.0
@@ -118,6 +122,9 @@ class ClientOptions:
     zero_copy: bool = False
     landing: str = "host"
     flight_timeout: float | None = DEFAULT_TIMEOUT
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
 
 @dataclass(slots=True)
@@ -178,7 +185,7 @@ class _Session:
         self.stats = FetchStats()
         self._flush_scheduled = False
         ordered = options.ordered_metadata
-        self.ordered = meta_uri.scheme == "tcp" if ordered is None else ordered
+        self.ordered = meta_uri.scheme in ("tcp", "tls") if ordered is None else ordered
         self.expected_meta = 0
         self.pairs: PairReader | None = None
         self.to_free: list[int] = []
@@ -221,6 +228,11 @@ class _Session:
         extra: dict[str, Any] = {}
         if uri.scheme == "ucx":
             extra = {"worker": uri.params.get("worker"), "path": self.options.ucx_path}
+        elif uri.scheme == "tls":
+            from dissoc.transport.tls import cached_client_context
+
+            options = self.options
+            extra = {"tls": cached_client_context(options.tls_ca, options.tls_cert, options.tls_key)}
         try:
             return await asyncio.wait_for(
                 connect(
@@ -517,8 +529,16 @@ async def resolve_endpoints(
         )
     from dissoc.flight.client import describe
 
-    timeout = (options or ClientOptions()).flight_timeout
-    info = await asyncio.to_thread(describe, uri, ticket, timeout=timeout)
+    options = options or ClientOptions()
+    info = await asyncio.to_thread(
+        describe,
+        uri,
+        ticket,
+        timeout=options.flight_timeout,
+        tls_ca=options.tls_ca,
+        tls_cert=options.tls_cert,
+        tls_key=options.tls_key,
+    )
     return list(info.endpoints), info.schema
 
 

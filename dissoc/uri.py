@@ -7,6 +7,10 @@
 * ``memory`` (optional) says what pair-list addresses point at: ``shm``, ``ucx`` or ``cuda``.
 * Any other query parameters are kept, percent-decoded, in :attr:`DissocURI.params`.
 
+SCHEME is the transport: ``tcp``, ``tls`` (the TCP transport inside TLS: a scheme of its own, so that no
+reader can take a TLS server's URI for a plaintext one by skipping a query field), ``ucx``, or one registered
+with :func:`register_scheme`.
+
 HOST may be an IPv6 address in brackets (``tcp://[::1]:9000?want_data=1``); :attr:`DissocURI.host` holds it
 without them. Anything malformed raises :class:`UriError` (a :class:`~dissoc.errors.DissocError` and a
 :class:`ValueError`) saying what was expected and what was found.
@@ -39,7 +43,7 @@ class UriError(DissocError, ValueError):
     """A Dissociated IPC URI is malformed or names something unknown."""
 
 
-DEFAULT_SCHEMES: Final = frozenset({"tcp", "ucx", "mem"})  # mem: the in-memory test transport
+DEFAULT_SCHEMES: Final = frozenset({"tcp", "tls", "ucx", "mem"})  # tls: tcp inside TLS; mem: tests
 """Schemes known without registration."""
 
 MEMORY_KINDS: Final = frozenset({"shm", "ucx", "cuda"})

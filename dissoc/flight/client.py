@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, overload
 
 import pyarrow as pa
 
@@ -25,6 +26,7 @@ from dissoc.flight.common import (
     Endpoint,
     check_location,
     flight_module,
+    read_pem,
     ticket_name,
 )
 from dissoc.uri import DissocURI, UriError
@@ -76,13 +78,37 @@ def _translate(e: Exception, what: str, location: str) -> DissocError:
     return RemoteError(code, f"{what} at {location}: {text}")
 
 
+#: A PEM file's path, for the ``tls_*`` arguments.
+PemPath = str | os.PathLike[str] | None
+
+
+def _tls_arguments(tls_ca: PemPath, tls_cert: PemPath, tls_key: PemPath) -> dict[str, bytes]:
+    """``FlightClient``'s TLS arguments (they apply to ``grpc+tls://`` locations; None: gRPC's defaults, the
+    system's roots and no client certificate)."""
+    if (tls_cert is None) != (tls_key is None):
+        raise DissocError("a client certificate needs its key: give tls_cert and tls_key together")
+    arguments: dict[str, bytes] = {}
+    for name, path, what in (
+        ("tls_root_certs", tls_ca, "the CA bundle (--tls-ca)"),
+        ("cert_chain", tls_cert, "the client certificate (--tls-cert)"),
+        ("private_key", tls_key, "the client private key (--tls-key)"),
+    ):
+        pem = read_pem(path, what)
+        if pem is not None:
+            arguments[name] = pem
+    return arguments
+
+
 @contextlib.contextmanager
-def _client(location: str, what: str) -> Iterator[paflight.FlightClient]:
+def _client(
+    location: str, what: str, tls_ca: PemPath = None, tls_cert: PemPath = None, tls_key: PemPath = None
+) -> Iterator[paflight.FlightClient]:
     """A FlightClient to ``location``; every pyarrow error inside the block becomes a dissoc error."""
     flight = flight_module()
     check_location(location)
+    tls = _tls_arguments(tls_ca, tls_cert, tls_key)
     try:
-        client = flight.FlightClient(location)
+        client = flight.FlightClient(location, **tls)
     except (pa.ArrowException, OSError, ValueError) as e:
         raise UriError(f"Flight location {location!r}: {e}") from None
     try:
@@ -148,16 +174,56 @@ def _parse_info(info: paflight.FlightInfo, where: str) -> DatasetInfo:
     )
 
 
-def describe(location: str, ticket: str | bytes, *, timeout: float | None = DEFAULT_TIMEOUT) -> DatasetInfo:
-    """GetFlightInfo for the dataset ``ticket`` (descriptor ``for_path(name)``), checked."""
+# Two signatures for the type checker: callers that pass ``**{"timeout": t}`` match the first (the TLS
+# arguments are not floats), the others the second.
+@overload
+def describe(
+    location: str, ticket: str | bytes, *, timeout: float | None = DEFAULT_TIMEOUT
+) -> DatasetInfo: ...
+
+
+@overload
+def describe(
+    location: str,
+    ticket: str | bytes,
+    *,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    tls_ca: PemPath = None,
+    tls_cert: PemPath = None,
+    tls_key: PemPath = None,
+) -> DatasetInfo: ...
+
+
+def describe(
+    location: str,
+    ticket: str | bytes,
+    *,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    tls_ca: PemPath = None,
+    tls_cert: PemPath = None,
+    tls_key: PemPath = None,
+) -> DatasetInfo:
+    """GetFlightInfo for the dataset ``ticket`` (descriptor ``for_path(name)``), checked.
+
+    For a ``grpc+tls://`` location, ``tls_ca`` is the CA bundle the control plane's certificate must be
+    signed by (None: the system's roots) and ``tls_cert``/``tls_key`` this client's certificate, for a plane
+    that requires one; the other calls of this module take the same arguments."""
     flight = flight_module()
     what = f"GetFlightInfo({ticket!r})"
-    with _client(location, what) as client:
+    with _client(location, what, tls_ca, tls_cert, tls_key) as client:
         info = client.get_flight_info(flight.FlightDescriptor.for_path(ticket), _call_options(timeout))
     return _parse_info(info, f"{what} at {location}")
 
 
-def resolve(location: str, ticket: str | bytes, *, timeout: float | None = DEFAULT_TIMEOUT) -> list[Endpoint]:
+def resolve(
+    location: str,
+    ticket: str | bytes,
+    *,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    tls_ca: PemPath = None,
+    tls_cert: PemPath = None,
+    tls_key: PemPath = None,
+) -> list[Endpoint]:
     """The endpoints of dataset ``ticket`` at the Flight control plane ``location``:
     ``[(metadata URI, data URI, ticket), ...]``, from GetFlightInfo.
 
@@ -165,13 +231,22 @@ def resolve(location: str, ticket: str | bytes, *, timeout: float | None = DEFAU
     plane refused, e.g. code ``unknown_ticket``), ProtocolError (an endpoint without two dissoc URIs), or
     UriError (``location`` is not ``grpc://HOST:PORT``).
     """
-    return describe(location, ticket, timeout=timeout).endpoints
+    return describe(
+        location, ticket, timeout=timeout, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
+    ).endpoints
 
 
-def list_datasets(location: str, *, timeout: float | None = DEFAULT_TIMEOUT) -> list[DatasetInfo]:
+def list_datasets(
+    location: str,
+    *,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    tls_ca: PemPath = None,
+    tls_cert: PemPath = None,
+    tls_key: PemPath = None,
+) -> list[DatasetInfo]:
     """Every dataset the control plane at ``location`` lists (ListFlights), with its endpoints."""
     what = "ListFlights"
-    with _client(location, what) as client:
+    with _client(location, what, tls_ca, tls_cert, tls_key) as client:
         infos = list(client.list_flights(b"", _call_options(timeout)))
     return [_parse_info(info, f"{what} at {location}") for info in infos]
 
@@ -183,6 +258,9 @@ def publish(
     *,
     replace: bool = False,
     timeout: float | None = None,
+    tls_ca: PemPath = None,
+    tls_cert: PemPath = None,
+    tls_key: PemPath = None,
 ) -> int:
     """Upload ``data`` with DoPut; the control plane's dissoc server then serves it as ``name``.
 
@@ -202,7 +280,7 @@ def publish(
     else:
         descriptor = flight.FlightDescriptor.for_path(name)
     what = f"DoPut({name!r})"
-    with _client(location, what) as client:
+    with _client(location, what, tls_ca, tls_cert, tls_key) as client:
         writer, ack_reader = client.do_put(descriptor, data.schema, _call_options(timeout))
         with writer:  # close() reports the server's verdict
             if isinstance(data, pa.Table):
@@ -218,10 +296,18 @@ def publish(
         return -1
 
 
-def remove(location: str, name: str | bytes, *, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+def remove(
+    location: str,
+    name: str | bytes,
+    *,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    tls_ca: PemPath = None,
+    tls_cert: PemPath = None,
+    tls_key: PemPath = None,
+) -> None:
     """Stop serving dataset ``name`` (the ``remove`` action); RemoteError ``unknown_ticket`` if not served."""
     flight = flight_module()
     body = name.encode("utf-8") if isinstance(name, str) else bytes(name)
     what = f"action remove({name!r})"
-    with _client(location, what) as client:
+    with _client(location, what, tls_ca, tls_cert, tls_key) as client:
         list(client.do_action(flight.Action(ACTION_REMOVE, body), _call_options(timeout)))

@@ -5,6 +5,7 @@ that says what to install)."""
 from __future__ import annotations
 
 import logging
+import os
 from types import ModuleType
 from typing import Final
 
@@ -23,6 +24,7 @@ __all__ = [
     "check_location",
     "flight_module",
     "is_flight_location",
+    "read_pem",
     "ticket_name",
 ]
 
@@ -74,6 +76,21 @@ def check_location(location: object) -> str:
         )
     assert isinstance(location, str)
     return location
+
+
+def read_pem(path: str | os.PathLike[str] | None, what: str) -> bytes | None:
+    """The bytes of the PEM file at ``path`` (None for None): gRPC takes certificates as bytes, not paths.
+    A file that cannot be read is a :class:`~dissoc.errors.DissocError` naming ``what`` it was for."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise DissocError(f"cannot read {what} {os.fspath(path)!r}: {e}") from None
+    if b"-----BEGIN" not in data:
+        raise DissocError(f"{what} {os.fspath(path)!r} is not a PEM file (no '-----BEGIN' line)")
+    return data
 
 
 def ticket_name(ticket: str | bytes) -> str:

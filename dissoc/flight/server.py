@@ -32,6 +32,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator, Iterator
 from types import TracebackType
@@ -52,6 +53,7 @@ from dissoc.flight.common import (
     ACTION_LIST_TICKETS,
     ACTION_REMOVE,
     flight_module,
+    read_pem,
     ticket_name,
 )
 
@@ -331,8 +333,8 @@ def flight_server_class() -> type[paflight.FlightServerBase]:
     return DissocFlightServer
 
 
-def _grpc_location(host: str, port: int) -> str:
-    return f"grpc://[{host}]:{port}" if ":" in host else f"grpc://{host}:{port}"
+def _grpc_location(host: str, port: int, scheme: str = "grpc") -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 class FlightControlPlane:
@@ -343,6 +345,10 @@ class FlightControlPlane:
     ``max_put_bytes`` bounds what one DoPut may upload (None: no bound). Closing waits up to
     ``shutdown_timeout`` seconds for running calls (a DoGet to a stalled client can take longer; it is then
     left to finish on its own and a warning is logged).
+
+    TLS: with ``tls_cert`` and ``tls_key`` (PEM files) the plane listens on ``grpc+tls://``; with
+    ``tls_client_ca`` too, gRPC requires every client to present a certificate signed by a CA in that bundle
+    (mutual TLS), as the dissoc server's ``tls_client_ca`` does.
     """
 
     def __init__(
@@ -354,10 +360,15 @@ class FlightControlPlane:
         read_only: bool = False,
         max_put_bytes: int | None = None,
         shutdown_timeout: float = 10.0,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_client_ca: str | os.PathLike[str] | None = None,
     ) -> None:
         self.server = server
         self.host = host
         self._port = port
+        self._tls = _tls_options(tls_cert, tls_key, tls_client_ca)
+        self._scheme = "grpc+tls" if self._tls else "grpc"
         self.shutdown_timeout = shutdown_timeout
         self._closing = threading.Event()
         self.handlers = _Handlers(
@@ -371,7 +382,9 @@ class FlightControlPlane:
             return self
         cls = flight_server_class()
         try:
-            self.flight_server = cls(_grpc_location(self.host, self._port), self.handlers)
+            self.flight_server = cls(
+                _grpc_location(self.host, self._port, self._scheme), self.handlers, **self._tls
+            )
         except (OSError, pa.ArrowException) as e:
             raise TransportError(
                 f"starting the Flight control plane on {self.host}:{self._port} failed: {e}"
@@ -388,10 +401,10 @@ class FlightControlPlane:
 
     @property
     def location(self) -> str:
-        """``grpc://HOST:PORT``, what Flight clients connect to."""
+        """``grpc://HOST:PORT`` (``grpc+tls://`` with TLS), what Flight clients connect to."""
         if self.flight_server is None:
             raise DissocError("the Flight control plane is not started")
-        return _grpc_location(self.host, self._port)
+        return _grpc_location(self.host, self._port, self._scheme)
 
     async def serve_forever(self) -> None:
         """Serve until the dissoc server is closed (or the task is cancelled)."""
@@ -426,7 +439,7 @@ class FlightControlPlane:
         except TimeoutError:
             log.warning(
                 "Flight control plane %s: calls still running after %s s; not waiting for them",
-                _grpc_location(self.host, self._port),
+                _grpc_location(self.host, self._port, self._scheme),
                 self.shutdown_timeout,
             )
 
@@ -437,6 +450,30 @@ class FlightControlPlane:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+
+def _tls_options(
+    cert: str | os.PathLike[str] | None,
+    key: str | os.PathLike[str] | None,
+    client_ca: str | os.PathLike[str] | None,
+) -> dict[str, Any]:
+    """``FlightServerBase``'s TLS arguments for the PEM files given (empty without ``cert``)."""
+    if cert is None:
+        if key is not None or client_ca is not None:
+            raise DissocError(
+                "tls_key and tls_client_ca (--tls-key, --tls-client-ca) need tls_cert (--tls-cert)"
+            )
+        return {}
+    if key is None:
+        raise DissocError("the Flight control plane's TLS needs tls_key (--tls-key) with tls_cert")
+    flight = flight_module()
+    cert_pem = read_pem(cert, "the server certificate (--tls-cert)")
+    key_pem = read_pem(key, "the server private key (--tls-key)")
+    options: dict[str, Any] = {"tls_certificates": [flight.CertKeyPair(cert_pem, key_pem)]}
+    if client_ca is not None:
+        options["verify_client"] = True
+        options["root_certificates"] = read_pem(client_ca, "the CA for client certificates (--tls-client-ca)")
+    return options
 
 
 @contextlib.asynccontextmanager
@@ -451,14 +488,22 @@ async def serve_with_flight(
 ) -> AsyncIterator[FlightControlPlane]:
     """A :class:`dissoc.server.Server` (``datasets``, ``**server_options``) and its control plane, started
     together; yields the plane (``plane.server`` is the dissoc server). The plane listens on the server's
-    host unless ``flight_host`` is given."""
+    host unless ``flight_host`` is given, and with the server's TLS certificates (``tls_cert``, ``tls_key``,
+    ``tls_client_ca``) when it has them: ``grpc+tls://``."""
     from dissoc.server import Server
 
     host = flight_host if flight_host is not None else str(server_options.get("host", "127.0.0.1"))
     async with (
         Server(datasets, **server_options) as server,
         FlightControlPlane(
-            server, host, flight_port, read_only=read_only, max_put_bytes=max_put_bytes
+            server,
+            host,
+            flight_port,
+            read_only=read_only,
+            max_put_bytes=max_put_bytes,
+            tls_cert=server_options.get("tls_cert"),
+            tls_key=server_options.get("tls_key"),
+            tls_client_ca=server_options.get("tls_client_ca"),
         ) as plane,
     ):
         yield plane

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from types import TracebackType
 from typing import Any, Literal, Self
 
@@ -31,6 +32,7 @@ from dissoc.role_server import (
 )
 from dissoc.server.combined import CombinedServer
 from dissoc.transport.base import ReceiveBudget, default_max_connections
+from dissoc.transport.tls import DEFAULT_HANDSHAKE_TIMEOUT, server_context
 from dissoc.uri import DissocURI
 
 __all__ = [
@@ -79,6 +81,12 @@ class Server:
       a message that would go past it fails its connection (nothing is allocated for it);
     - ``max_unfreed_bytes`` (None: a quarter of the arena) one client may hold in listed ranges it has not
       freed; over it, that client's stream fails with ``quota_exceeded`` and the others are served.
+
+    TLS (``tcp`` transport): with ``tls_cert`` and ``tls_key`` (PEM files) both ports speak TLS and the URIs
+    are ``tls://``; with ``tls_client_ca`` too, mutual TLS: a client must present a certificate signed by a
+    CA in that bundle (its subject is the connection's ``peer_identity``). A connection that has not
+    completed its handshake within ``tls_handshake_timeout`` seconds (10) is dropped. See
+    :mod:`dissoc.transport.tls`.
     """
 
     def __init__(
@@ -105,6 +113,10 @@ class Server:
         max_free_data_bytes: int = DEFAULT_MAX_FREE_DATA_BYTES,
         max_receiving_bytes: int | None = DEFAULT_MAX_RECEIVING_BYTES,
         max_unfreed_bytes: int | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_client_ca: str | os.PathLike[str] | None = None,
+        tls_handshake_timeout: float | None = DEFAULT_HANDSHAKE_TIMEOUT,
         **transport_options: Any,
     ) -> None:
         for what, number in (("port", port), ("data_port", data_port)):
@@ -154,6 +166,9 @@ class Server:
                 raise DissocError(f"{name} must be > 0 (or None), got {value!r}")
         if max_ticket_bytes < 0 or max_free_data_bytes < 0:
             raise DissocError("max_ticket_bytes and max_free_data_bytes must be >= 0")
+        transport = _tls_setup(
+            transport, transport_options, tls_cert, tls_key, tls_client_ca, tls_handshake_timeout
+        )
         if max_connections == "auto":
             max_connections = max(1, default_max_connections() // (2 if split else 1))
         #: Shared by every connection of this server (both ports when split).
@@ -240,3 +255,29 @@ class Server:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+
+def _tls_setup(
+    transport: str,
+    options: dict[str, Any],
+    cert: str | os.PathLike[str] | None,
+    key: str | os.PathLike[str] | None,
+    client_ca: str | os.PathLike[str] | None,
+    handshake_timeout: float | None,
+) -> str:
+    """The transport to serve with, and its TLS options set in ``options``, for the ``tls_*`` arguments."""
+    if cert is None:
+        if key is not None or client_ca is not None:
+            raise DissocError(
+                "tls_key and tls_client_ca (--tls-key, --tls-client-ca) need tls_cert (--tls-cert)"
+            )
+        if transport == "tls" and "tls" not in options:
+            raise DissocError("transport='tls' needs tls_cert and tls_key (--tls-cert, --tls-key)")
+        return transport
+    if transport not in ("tcp", "tls"):
+        raise DissocError(f"TLS (tls_cert, --tls-cert) is for the tcp transport, not {transport!r}")
+    if handshake_timeout is not None and handshake_timeout <= 0:
+        raise DissocError(f"tls_handshake_timeout must be > 0 (or None), got {handshake_timeout!r}")
+    options["tls"] = server_context(cert, key, client_ca=client_ca)
+    options["handshake_timeout"] = handshake_timeout
+    return "tls"

@@ -224,6 +224,13 @@ class Connection(abc.ABC):
         """A human-readable name of the connection (endpoints), for logs and error messages."""
         return self._description
 
+    @property
+    def peer_identity(self) -> str | None:
+        """Who the peer proved to be: the subject of the certificate it presented and this side verified
+        (TLS; see :attr:`dissoc.transport.tls.TlsConnection.peer_identity`), in RFC 4514 form such as
+        ``"CN=alice,O=Example"``. None on transports without certificates, and without one."""
+        return None
+
     def set_allocator(self, allocator: Allocator | None) -> None:
         """Set the placement hook for tagged payloads (None restores :func:`default_allocator`).
 

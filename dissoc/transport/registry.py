@@ -1,7 +1,8 @@
-"""The scheme registry: ``tcp``, ``mem``, ``ucx``, ... mapped to their ``connect``/``serve`` functions.
+"""The scheme registry: ``tcp``, ``tls``, ``mem``, ``ucx``, ... mapped to their ``connect``/``serve``
+functions.
 
-Each transport module registers itself when imported (:func:`register_transport`); ``ucx`` is imported only
-when its scheme is first used, so that importing :mod:`dissoc` never imports ucxx.
+Each transport module registers itself when imported (:func:`register_transport`); ``ucx`` and ``tls`` are
+imported only when their scheme is first used, so that importing :mod:`dissoc` never imports ucxx or ssl.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class _Entry:
 
 
 _REGISTRY: dict[str, _Entry] = {}
-_LAZY: dict[str, str] = {"ucx": "dissoc.transport.ucx"}
+# Imported on first use: ucx needs ucxx; tls loads OpenSSL, which plaintext users need not pay for.
+_LAZY: dict[str, str] = {"ucx": "dissoc.transport.ucx", "tls": "dissoc.transport.tls"}
 
 
 def register_transport(scheme: str, connect: ConnectFunction, serve: ServeFunction) -> None:

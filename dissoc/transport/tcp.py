@@ -53,8 +53,10 @@ __all__ = [
     "KIND_UNTAGGED",
     "TcpConnection",
     "TcpListener",
+    "connect_socket",
     "connect_tcp",
     "decode_header",
+    "listen_socket",
     "encode_header",
     "serve_tcp",
 ]
@@ -118,6 +120,25 @@ def _check_header(first: int, tag: int, length: int, max_message_bytes: int, whe
             f"{where}the peer announced a {what} of {length} bytes; the limit (max_message_bytes) is "
             f"{max_message_bytes}"
         )
+
+
+def tls_record_hint(first_bytes: Buffer) -> str | None:
+    """What to say when a connection's first bytes are a TLS record where a frame header was expected (a TLS
+    peer on a plaintext connection), else None. Used on error paths only."""
+    head = bytes(memoryview(first_bytes)[:2])
+    if len(head) < 2 or head[1] != 0x03:
+        return None
+    if head[0] == 0x15:  # an alert: a TLS server refusing this plaintext client
+        return (
+            "the peer answered with a TLS alert: it is a TLS server and this connection is plaintext; "
+            "connect with its tls:// URI (and the CA that signed its certificate: --tls-ca)"
+        )
+    if head[0] == 0x16:  # a handshake record: a TLS client's ClientHello
+        return (
+            "the peer sent a TLS handshake: it is a TLS client and this server is plaintext (tcp://); "
+            "start the server with --tls-cert/--tls-key, or connect with the tcp:// URI"
+        )
+    return None
 
 
 def _configure_socket(sock: socket.socket, sndbuf: int | None, rcvbuf: int | None) -> None:
@@ -406,6 +427,8 @@ class TcpConnection(Connection):
                         break
                     first, tag, length = _HEADER.unpack_from(stage, rpos)
                     if first != KIND_UNTAGGED or tag != 0 or length > self._max_message_bytes:
+                        if self._frames == 0:
+                            self._check_not_tls(view[rpos : rpos + 2])
                         _check_header(first, tag, length, self._max_message_bytes, f"{self._description}: ")
                         if self._tag_limits:
                             self._check_tag_limit(tag, length)
@@ -479,7 +502,20 @@ class TcpConnection(Connection):
             return 2 * self._frames
         return None
 
+    def _check_not_tls(self, first_bytes: Buffer) -> None:
+        """A clear :class:`TransportError` when the first bytes received are a TLS record (TLS on one side
+        only), instead of a corrupt-frame error."""
+        hint = tls_record_hint(first_bytes)
+        if hint is not None:
+            peer_log.log(logging.WARNING, ("tls mismatch", hint[:24]), "%s: %s", self._description, hint)
+            raise TransportError(f"{self._description}: {hint}")
+
     def _on_eof(self) -> None:
+        if self._frames == 0 and self._wpos - self._rpos >= 2:
+            hint = tls_record_hint(self._stage_view[self._rpos : self._rpos + 2])
+            if hint is not None:
+                self._teardown(TransportError(f"{self._description}: {hint}"))
+                return
         position = self._position()
         if position == "between frames":
             self._teardown(TransportError(f"{self._description}: the peer closed the connection"))
@@ -706,7 +742,7 @@ class TcpListener(Listener):
                 continue
             try:
                 _configure_socket(conn_sock, self._sndbuf, self._rcvbuf)
-                connection = TcpConnection(conn_sock, **self._limits)
+                connection = self._connection(conn_sock)
             except (OSError, ValueError) as exc:
                 peer_log.log(
                     logging.WARNING,
@@ -720,6 +756,10 @@ class TcpListener(Listener):
             logger.debug("accepted %s", connection.description)
             self._start_handler(connection, peer)
 
+    def _connection(self, sock: socket.socket) -> TcpConnection:
+        """The connection over an accepted socket (the TLS listener makes TLS ones)."""
+        return TcpConnection(sock, **self._limits)
+
     def _stop_accepting(self) -> None:
         if self._backoff is not None:
             self._backoff.cancel()
@@ -729,6 +769,37 @@ class TcpListener(Listener):
             self._loop.remove_reader(self._sock.fileno())
         self._sock.close()
         logger.debug("stopped listening on %s", self.address)
+
+
+async def listen_socket(
+    host: str,
+    port: int,
+    *,
+    backlog: int = 128,
+    sndbuf: int | None = None,
+    rcvbuf: int | None = None,
+    scheme: str = "tcp",
+) -> socket.socket:
+    """A listening stream socket on ``host:port`` (port 0 picks a free one); ``scheme`` names it in errors.
+
+    Buffer sizes set on the listening socket are inherited by accepted ones (and must be set before the
+    handshake for window scaling)."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _kind, _proto, _name, address = infos[0]
+        sock = socket.create_server(address, family=family, backlog=backlog, reuse_port=False)
+    except OSError as exc:
+        raise TransportError(f"cannot listen on {scheme}://{host}:{port}: {exc}") from exc
+    try:
+        if sndbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+        if rcvbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 async def serve_tcp(
@@ -750,22 +821,11 @@ async def serve_tcp(
 
     ``sndbuf``/``rcvbuf`` set the kernel socket buffer sizes (default: the kernel's autotuning);
     ``max_connections``, ``max_connections_per_peer`` and ``receive_budget`` bound what peers may hold (see
-    :class:`TcpListener` and :class:`~dissoc.transport.base.ReceiveBudget`; None: unbounded).
+    :class:`TcpListener` and :class:`~dissoc.transport.base.ReceiveBudget`; None: unbounded). TLS is the
+    ``tls`` scheme's :func:`dissoc.transport.tls.serve_tls`, with the same options.
     """
-    loop = asyncio.get_running_loop()
+    sock = await listen_socket(host, port, backlog=backlog, sndbuf=sndbuf, rcvbuf=rcvbuf)
     try:
-        infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, _kind, _proto, _name, address = infos[0]
-        sock = socket.create_server(address, family=family, backlog=backlog, reuse_port=False)
-    except OSError as exc:
-        raise TransportError(f"cannot listen on tcp://{host}:{port}: {exc}") from exc
-    try:
-        # Buffer sizes set on the listening socket are inherited by accepted ones (and must be set before the
-        # handshake for window scaling).
-        if sndbuf is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-        if rcvbuf is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         return TcpListener(
             sock,
             handler,
@@ -783,20 +843,19 @@ async def serve_tcp(
         raise
 
 
-async def connect_tcp(
+async def connect_socket(
     host: str,
     port: int,
     *,
     timeout: float | None = 10.0,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
-    allocator: Allocator | None = None,
     sndbuf: int | None = None,
     rcvbuf: int | None = None,
-) -> TcpConnection:
-    """Connect to ``host:port``; raises :class:`~dissoc.errors.TransportError` on failure or timeout."""
+    scheme: str = "tcp",
+) -> socket.socket:
+    """A non-blocking stream socket connected to ``host:port`` (each address tried in turn); raises
+    :class:`~dissoc.errors.TransportError` on failure or timeout (``scheme`` names the target in it)."""
     loop = asyncio.get_running_loop()
-    where = f"tcp://{host}:{port}"
+    where = f"{scheme}://{host}:{port}"
     last: OSError | None = None
     try:
         async with asyncio.timeout(timeout):
@@ -814,17 +873,37 @@ async def connect_tcp(
                 except BaseException:
                     sock.close()
                     raise
-                return TcpConnection(
-                    sock,
-                    max_message_bytes=max_message_bytes,
-                    max_buffered_bytes=max_buffered_bytes,
-                    allocator=allocator,
-                )
+                return sock
     except TimeoutError as exc:
         raise TransportError(f"connecting to {where} timed out after {timeout} s") from exc
     except OSError as exc:
         raise TransportError(f"cannot connect to {where}: {exc}") from exc
     raise TransportError(f"cannot connect to {where}: {last or 'no address found'}") from last
+
+
+async def connect_tcp(
+    host: str,
+    port: int,
+    *,
+    timeout: float | None = 10.0,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+    allocator: Allocator | None = None,
+    sndbuf: int | None = None,
+    rcvbuf: int | None = None,
+) -> TcpConnection:
+    """Connect to ``host:port``; raises :class:`~dissoc.errors.TransportError` on failure or timeout."""
+    sock = await connect_socket(host, port, timeout=timeout, sndbuf=sndbuf, rcvbuf=rcvbuf)
+    try:
+        return TcpConnection(
+            sock,
+            max_message_bytes=max_message_bytes,
+            max_buffered_bytes=max_buffered_bytes,
+            allocator=allocator,
+        )
+    except BaseException:
+        sock.close()
+        raise
 
 
 register_transport("tcp", connect_tcp, serve_tcp)
