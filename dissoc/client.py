@@ -52,6 +52,7 @@ from dissoc.protocol import (
     seq_diff,
     seq_of,
 )
+from dissoc.tokens import is_signed, peek
 from dissoc.transport import Connection, connect
 from dissoc.uri import DissocURI
 
@@ -106,6 +107,11 @@ class ClientOptions:
     uncompressed bodies). See :mod:`dissoc.device.landing` for how each body gets there.
     ``flight_timeout``: seconds a Flight control plane (a ``grpc://`` location) may take to describe a
     dataset before the fetch fails.
+    ``token``: a signed ticket (:mod:`dissoc.tokens`, ``dissoc token``) for servers started with a secret.
+    A Flight control plane gets it as ``authorization: Bearer TOKEN`` and hands back endpoints with tickets
+    it signed; a dissoc URI gets it in place of the ticket when the ticket is the dataset's name the token
+    is for (a ticket that is already signed is sent as it is). A signed ticket given as the ticket to a
+    Flight location, with no ``token``, is used as the bearer token for the name it carries.
     """
 
     timeout: float = 30.0
@@ -118,6 +124,7 @@ class ClientOptions:
     zero_copy: bool = False
     landing: str = "host"
     flight_timeout: float | None = DEFAULT_TIMEOUT
+    token: str | None = None
 
 
 @dataclass(slots=True)
@@ -508,8 +515,9 @@ async def resolve_endpoints(
     place where the client's entry points (:func:`fetch`, :func:`stream_batches`, :func:`open_stream`, and
     ``dissoc get``) turn a control plane's location into streams.
     """
+    token = options.token if options is not None else None
     if not (isinstance(uri, str) and is_flight_location(uri)):
-        return [(uri, data_uri, ticket)], None
+        return [(uri, data_uri, _signed_ticket(ticket, token))], None
     if data_uri is not None:
         raise DissocError(
             "data_uri (--data-uri) does not apply to a Flight location (grpc://): the control plane gives "
@@ -518,8 +526,22 @@ async def resolve_endpoints(
     from dissoc.flight.client import describe
 
     timeout = (options or ClientOptions()).flight_timeout
-    info = await asyncio.to_thread(describe, uri, ticket, timeout=timeout)
+    info = await asyncio.to_thread(describe, uri, ticket, timeout=timeout, token=token)
     return list(info.endpoints), info.schema
+
+
+def _signed_ticket(ticket: str | bytes, token: str | None) -> str | bytes:
+    """What a dissoc server is sent for ``ticket`` given ``ClientOptions.token``: the token when the ticket is
+    the name it is for, the ticket itself otherwise (no token, or a ticket that is already signed)."""
+    if token is None or is_signed(ticket):
+        return ticket
+    claims = peek(token)
+    if claims is None:
+        raise DissocError("ClientOptions.token is not a signed ticket (dissoc token prints one)")
+    name = ticket if isinstance(ticket, str) else bytes(ticket).decode("utf-8", "replace")
+    if claims.name != name:
+        raise DissocError("ClientOptions.token is for another dataset than the ticket asked for")
+    return token
 
 
 async def stream_chunks(

@@ -27,6 +27,7 @@ from dissoc.flight.common import (
     flight_module,
     ticket_name,
 )
+from dissoc.tokens import is_signed, peek
 from dissoc.uri import DissocURI, UriError
 
 if TYPE_CHECKING:
@@ -94,8 +95,23 @@ def _client(location: str, what: str) -> Iterator[paflight.FlightClient]:
             client.close()
 
 
-def _call_options(timeout: float | None) -> paflight.FlightCallOptions:
-    return flight_module().FlightCallOptions(timeout=timeout)
+def _call_options(timeout: float | None, token: str | None = None) -> paflight.FlightCallOptions:
+    """Call options: the timeout, and ``authorization: Bearer TOKEN`` when there is a token."""
+    headers = [] if token is None else [(b"authorization", b"Bearer " + token.encode("ascii"))]
+    return flight_module().FlightCallOptions(timeout=timeout, headers=headers)
+
+
+def _credentials(ticket: str | bytes, token: str | None) -> tuple[str | bytes, str | None]:
+    """(the dataset name to ask for, the bearer token): a signed ticket given as the ticket, with no token,
+    is the token for the name it carries."""
+    if token is None and is_signed(ticket):
+        claims = peek(ticket)
+        if claims is not None:
+            text = ticket if isinstance(ticket, str) else bytes(ticket).decode("ascii")
+            return claims.name, text
+    if token is not None and not token.isascii():
+        raise DissocError("a token is ASCII (a signed ticket from dissoc token)")
+    return ticket, token
 
 
 def _location_text(loc: paflight.Location | str | bytes, where: str) -> str:
@@ -148,31 +164,43 @@ def _parse_info(info: paflight.FlightInfo, where: str) -> DatasetInfo:
     )
 
 
-def describe(location: str, ticket: str | bytes, *, timeout: float | None = DEFAULT_TIMEOUT) -> DatasetInfo:
-    """GetFlightInfo for the dataset ``ticket`` (descriptor ``for_path(name)``), checked."""
+def describe(
+    location: str, ticket: str | bytes, *, timeout: float | None = DEFAULT_TIMEOUT, token: str | None = None
+) -> DatasetInfo:
+    """GetFlightInfo for the dataset ``ticket`` (descriptor ``for_path(name)``), checked.
+
+    ``token``: a signed ticket sent as ``authorization: Bearer TOKEN`` to a control plane with a secret (a
+    signed ticket given as ``ticket`` serves as the token for the name it carries)."""
     flight = flight_module()
+    ticket, token = _credentials(ticket, token)
     what = f"GetFlightInfo({ticket!r})"
     with _client(location, what) as client:
-        info = client.get_flight_info(flight.FlightDescriptor.for_path(ticket), _call_options(timeout))
+        info = client.get_flight_info(flight.FlightDescriptor.for_path(ticket), _call_options(timeout, token))
     return _parse_info(info, f"{what} at {location}")
 
 
-def resolve(location: str, ticket: str | bytes, *, timeout: float | None = DEFAULT_TIMEOUT) -> list[Endpoint]:
+def resolve(
+    location: str, ticket: str | bytes, *, timeout: float | None = DEFAULT_TIMEOUT, token: str | None = None
+) -> list[Endpoint]:
     """The endpoints of dataset ``ticket`` at the Flight control plane ``location``:
     ``[(metadata URI, data URI, ticket), ...]``, from GetFlightInfo.
 
     Raises TransportError (unreachable, or no answer within ``timeout`` seconds), RemoteError (the control
     plane refused, e.g. code ``unknown_ticket``), ProtocolError (an endpoint without two dissoc URIs), or
-    UriError (``location`` is not ``grpc://HOST:PORT``).
+    UriError (``location`` is not ``grpc://HOST:PORT``). With a ``token`` (see :func:`describe`), the
+    endpoints' tickets are signed tickets the control plane made for this dataset.
     """
-    return describe(location, ticket, timeout=timeout).endpoints
+    return describe(location, ticket, timeout=timeout, token=token).endpoints
 
 
-def list_datasets(location: str, *, timeout: float | None = DEFAULT_TIMEOUT) -> list[DatasetInfo]:
-    """Every dataset the control plane at ``location`` lists (ListFlights), with its endpoints."""
+def list_datasets(
+    location: str, *, timeout: float | None = DEFAULT_TIMEOUT, token: str | None = None
+) -> list[DatasetInfo]:
+    """Every dataset the control plane at ``location`` lists (ListFlights), with its endpoints (with a
+    ``token``, those it grants)."""
     what = "ListFlights"
     with _client(location, what) as client:
-        infos = list(client.list_flights(b"", _call_options(timeout)))
+        infos = list(client.list_flights(b"", _call_options(timeout, token)))
     return [_parse_info(info, f"{what} at {location}") for info in infos]
 
 
@@ -183,12 +211,14 @@ def publish(
     *,
     replace: bool = False,
     timeout: float | None = None,
+    token: str | None = None,
 ) -> int:
     """Upload ``data`` with DoPut; the control plane's dissoc server then serves it as ``name``.
 
     A name already served is refused (RemoteError ``already_exists``) unless ``replace``. ``timeout`` bounds
     the whole upload (None: no bound). Returns the number of rows the server stored (-1 when the service
-    acknowledged in some other way than a dissoc control plane does).
+    acknowledged in some other way than a dissoc control plane does). A control plane with a secret needs
+    a ``token`` of scope ``write`` for ``name`` (or ``*``).
     """
     flight = flight_module()
     if isinstance(data, pa.RecordBatch):
@@ -203,7 +233,7 @@ def publish(
         descriptor = flight.FlightDescriptor.for_path(name)
     what = f"DoPut({name!r})"
     with _client(location, what) as client:
-        writer, ack_reader = client.do_put(descriptor, data.schema, _call_options(timeout))
+        writer, ack_reader = client.do_put(descriptor, data.schema, _call_options(timeout, token))
         with writer:  # close() reports the server's verdict
             if isinstance(data, pa.Table):
                 writer.write_table(data)
@@ -218,10 +248,13 @@ def publish(
         return -1
 
 
-def remove(location: str, name: str | bytes, *, timeout: float | None = DEFAULT_TIMEOUT) -> None:
-    """Stop serving dataset ``name`` (the ``remove`` action); RemoteError ``unknown_ticket`` if not served."""
+def remove(
+    location: str, name: str | bytes, *, timeout: float | None = DEFAULT_TIMEOUT, token: str | None = None
+) -> None:
+    """Stop serving dataset ``name`` (the ``remove`` action); RemoteError ``unknown_ticket`` if not served.
+    A control plane with a secret needs a ``token`` of scope ``write`` for ``name`` (or ``*``)."""
     flight = flight_module()
     body = name.encode("utf-8") if isinstance(name, str) else bytes(name)
     what = f"action remove({name!r})"
     with _client(location, what) as client:
-        list(client.do_action(flight.Action(ACTION_REMOVE, body), _call_options(timeout)))
+        list(client.do_action(flight.Action(ACTION_REMOVE, body), _call_options(timeout, token)))
