@@ -492,3 +492,12 @@ def test_serve_takes_the_secret_file_from_the_environment(secret_file: Path, tmp
             os.environ["DISSOC_SECRET_FILE"] = env_before
     assert refused.returncode == 1 and "unauthorized" in refused.stderr
     assert ok.returncode == 0 and json.loads(ok.stdout)["rows"] == 4, ok.stderr
+
+
+def test_server_takes_a_secret_or_its_bytes_and_refuses_a_short_one() -> None:
+    assert Server(secret=KEY).secret == SECRET
+    assert Server(secret=KEY.decode()).secret == SECRET
+    assert Server(secret=SECRET).secret is SECRET
+    assert Server().secret is None
+    with pytest.raises(TokenError, match="at least 16 bytes"):
+        Server(secret=b"short")

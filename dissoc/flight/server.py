@@ -136,7 +136,7 @@ class _Handlers:
 
     # -- who may ask
 
-    def authenticate(self, headers: dict[str, list[str | bytes]]) -> Claims:
+    def authenticate(self, headers: dict[str, list[str | bytes]], method: str = "call") -> Claims:
         """The checked claims of the call's bearer token (middleware, for every call), else
         ``unauthenticated``: no ``authorization: Bearer`` header, or a token that is not valid."""
         assert self.secret is not None
@@ -156,7 +156,7 @@ class _Handlers:
         except TokenError as e:
             with self._lock:
                 self.unauthenticated += 1
-            peer_log.log(logging.WARNING, ("flight", "unauthenticated"), "Flight call refused: %s", e)
+            peer_log.log(logging.WARNING, ("flight", "unauthenticated"), "Flight %s refused: %s", method, e)
             raise _error("unauthenticated", f"authentication required: {e}") from None
         return claims
 
@@ -411,7 +411,8 @@ def flight_server_class() -> type[paflight.FlightServerBase]:
             self.handlers = handlers
 
         def start_call(self, info: Any, headers: dict[str, list[str | bytes]]) -> Authenticated:
-            return Authenticated(self.handlers.authenticate(headers))
+            method = str(getattr(info, "method", "call")).rpartition(".")[2]
+            return Authenticated(self.handlers.authenticate(headers, method))
 
     def claims_of(context: paflight.ServerCallContext) -> Claims | None:
         found = context.get_middleware(_AUTH_KEY)

@@ -112,7 +112,7 @@ class Server:
         max_free_data_bytes: int = DEFAULT_MAX_FREE_DATA_BYTES,
         max_receiving_bytes: int | None = DEFAULT_MAX_RECEIVING_BYTES,
         max_unfreed_bytes: int | None = None,
-        secret: Secret | bytes | None = None,
+        secret: Secret | bytes | str | None = None,
         **transport_options: Any,
     ) -> None:
         for what, number in (("port", port), ("data_port", data_port)):
@@ -120,7 +120,9 @@ class Server:
                 # the OS would wrap 70000 to 4464, or take 65536 as "any port"
                 raise DissocError(f"{what} must be 0 (any free port) to 65535, got {number!r}")
         #: The signing secret (None: tickets are plain names). Its repr shows no key.
-        self.secret: Secret | None = Secret(secret) if isinstance(secret, bytes) else secret
+        self.secret: Secret | None = (
+            secret if secret is None or isinstance(secret, Secret) else Secret(secret)
+        )
         self.catalog = Catalog()
         for name, obj in (datasets or {}).items():
             self.catalog.add(name, obj)
