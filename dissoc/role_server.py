@@ -361,8 +361,11 @@ class RoleServer(abc.ABC):
     async def _answer(self, conn: Connection, request: TaggedMessage) -> None:
         """One want_data request: the ticket's stream, or an error."""
         ticket: bytes | str = bytes(request.view())
-        log.debug("want_data tag=%s ticket=%r on %s", fmt_tag(request.tag), ticket[:64], conn.description)
         secret = self.options.secret
+        if log.isEnabledFor(logging.DEBUG):
+            # a signed ticket is a credential: not even part of it goes to the log
+            shown = repr(ticket[:64]) if secret is None else f"<{len(ticket)} bytes>"
+            log.debug("want_data tag=%s ticket=%s on %s", fmt_tag(request.tag), shown, conn.description)
         if secret is not None:
             try:
                 # The dataset served is the one the signed ticket names (exactly: no prefix, no wildcard).

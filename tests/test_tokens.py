@@ -501,3 +501,15 @@ def test_server_takes_a_secret_or_its_bytes_and_refuses_a_short_one() -> None:
     assert Server().secret is None
     with pytest.raises(TokenError, match="at least 16 bytes"):
         Server(secret=b"short")
+
+
+async def test_no_part_of_a_signed_ticket_reaches_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    table = ordered_table(1, 4)
+    ticket = SECRET.mint("t")
+    with caplog.at_level(logging.DEBUG, logger="dissoc"):
+        async with Server({"t": table}, secret=SECRET) as server:
+            assert (await fetch_async(server.uri, ticket)).equals(table)
+            await _refusal(server, ticket[:-4] + "AAAA")
+    assert "want_data" in caplog.text  # the debug line is there, without the ticket
+    mac = ticket.rpartition(".")[2]
+    assert mac[:8] not in caplog.text and ticket[:20] not in caplog.text
