@@ -1,6 +1,7 @@
-"""The ``dissoc`` command line: ``dissoc serve`` and ``dissoc get`` (DESIGN.md section 5).
+"""The ``dissoc`` command line: ``dissoc serve``, ``dissoc get``, ``dissoc token`` (DESIGN.md section 5).
 
-stdout carries only JSON lines, for scripts; logs and progress go to stderr. Exit status: 0 success, 1 a
+stdout carries only JSON lines, for scripts (``dissoc token`` prints the bare ticket, URL-safe, unless given
+``--json``); logs and progress go to stderr. Exit status: 0 success, 1 a
 :class:`~dissoc.errors.DissocError` (its message on stderr, no traceback), 2 usage error.
 """
 
@@ -9,8 +10,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -71,8 +74,37 @@ def _connections(text: str) -> int | str | None:
     return "auto" if text == "auto" else _limit(text)
 
 
+#: Environment variables read when the flags are not given (never the secret itself: a file holding it).
+SECRET_FILE_ENV = "DISSOC_SECRET_FILE"
+TOKEN_ENV = "DISSOC_TOKEN"
+
+
+def _ttl(text: str) -> float:
+    from dissoc.tokens import TokenError, parse_ttl
+
+    try:
+        return parse_ttl(text)
+    except TokenError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _secret_file(args: argparse.Namespace) -> str | None:
+    found: str | None = args.secret_file or os.environ.get(SECRET_FILE_ENV) or None
+    return found
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def _parser() -> argparse.ArgumentParser:
     # The limits' defaults are the server's own (one definition each).
+    from dissoc.flight.server import DEFAULT_MAX_PUT_BYTES
     from dissoc.role_server import (
         DEFAULT_IDLE_TIMEOUT,
         DEFAULT_MAX_FREE_DATA_BYTES,
@@ -80,6 +112,7 @@ def _parser() -> argparse.ArgumentParser:
         DEFAULT_WANT_DATA_TIMEOUT,
     )
     from dissoc.server.server import DEFAULT_MAX_CONNECTIONS_PER_PEER, DEFAULT_MAX_RECEIVING_BYTES
+    from dissoc.tokens import DEFAULT_TTL
 
     p = argparse.ArgumentParser(
         prog="dissoc", description="Arrow Dissociated IPC: serve and fetch Arrow data."
@@ -128,6 +161,25 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="PORT",
         help="also run an Arrow Flight control plane on this port (0 picks a free one)",
+    )
+    s.add_argument(
+        "--flight-read-only",
+        action="store_true",
+        help="with --flight: refuse DoPut and the remove action (nobody can publish or remove)",
+    )
+    s.add_argument(
+        "--flight-max-put-mib",
+        type=_limit,
+        default=DEFAULT_MAX_PUT_BYTES >> 20,
+        metavar="MIB",
+        help=f"with --flight: largest DoPut upload ({DEFAULT_MAX_PUT_BYTES >> 20}; 0: no limit)",
+    )
+    s.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="FILE",
+        help=f"serve only signed tickets made with the secret in FILE (default ${SECRET_FILE_ENV}); see "
+        "'dissoc token'",
     )
 
     lim = s.add_argument_group(
@@ -223,6 +275,43 @@ def _parser() -> argparse.ArgumentParser:
         help="pairs: batches over the server's shared (or, landing on the device, CUDA IPC) memory",
     )
     _tls_get_flags(g)
+    g.add_argument(
+        "--token",
+        default=None,
+        help=f"a signed ticket for a server with a secret (default ${TOKEN_ENV}): a Flight location gets it "
+        "as its bearer token; a dissoc URI gets it in place of TICKET",
+    )
+
+    t = sub.add_parser("token", help="print a signed ticket for a server started with --secret-file")
+    t.add_argument("name", metavar="NAME", help="the dataset's name ('*': every dataset, on a Flight plane)")
+    t.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="FILE",
+        help=f"the server's secret (default ${SECRET_FILE_ENV})",
+    )
+    t.add_argument(
+        "--ttl",
+        type=_ttl,
+        default=float(DEFAULT_TTL),
+        help=f"how long it is valid: 90, 90s, 10m, 2h, 1d (default {DEFAULT_TTL // 60}m)",
+    )
+    t.add_argument(
+        "--scope",
+        choices=["read", "write"],
+        default="read",
+        help="read (fetch, describe, list) or write (also publish and remove on a Flight plane)",
+    )
+    t.add_argument(
+        "--bind",
+        default=None,
+        metavar="SUBJECT",
+        help="valid only from the client whose mutual-TLS certificate subject is SUBJECT",
+    )
+    t.add_argument(
+        "--json", action="store_true", help='print {"ticket", "name", "scope", "expires", "bind"} as JSON'
+    )
+
     c = sub.add_parser(
         "cleanup",
         help="remove the shared-memory segments killed dissoc servers left behind; prints a JSON summary",
@@ -286,6 +375,15 @@ def _tls_serve_options(args: argparse.Namespace) -> dict[str, Any]:
 async def _serve(args: argparse.Namespace) -> int:
     from dissoc.datasets import dataset_from
     from dissoc.server import Server
+    from dissoc.tokens import Secret, load_secret
+
+    secret_file = _secret_file(args)
+    secret: Secret | None = load_secret(secret_file) if secret_file else None
+    if secret is None and not _is_loopback(args.host):
+        sys.stderr.write(
+            f"dissoc: warning: serving on {args.host} without --secret-file: anyone who can reach the port "
+            "can read every dataset (see 'Running on a cluster' in the README)\n"
+        )
 
     datasets: dict[str, Any] = {}
     for path in args.paths:
@@ -324,6 +422,7 @@ async def _serve(args: argparse.Namespace) -> int:
         max_unfreed_bytes=None if args.max_unfreed_mib is None else args.max_unfreed_mib << 20,
         tls_handshake_timeout=args.tls_handshake_timeout,
         **tls,
+        secret=secret,
     )
     async with contextlib.AsyncExitStack() as running:
         await running.enter_async_context(server)
@@ -331,7 +430,14 @@ async def _serve(args: argparse.Namespace) -> int:
         if args.flight is not None:
             from dissoc.flight import FlightControlPlane
 
-            plane = FlightControlPlane(server, host=args.host, port=args.flight, **tls)
+            plane = FlightControlPlane(
+                server,
+                host=args.host,
+                port=args.flight,
+                read_only=args.flight_read_only,
+                max_put_bytes=None if args.flight_max_put_mib is None else args.flight_max_put_mib << 20,
+                **tls,
+            )
             await running.enter_async_context(plane)
             flight_location = plane.location
         # Handlers first: a script may signal the moment it reads the ready lines.
@@ -389,6 +495,7 @@ async def _get(args: argparse.Namespace) -> int:
         tls_ca=args.tls_ca,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        token=args.token or os.environ.get(TOKEN_ENV) or None,
     )
     stats = FetchStats()
     progress = _Progress(not args.no_progress)
@@ -455,6 +562,34 @@ def _open_writer(path: str, schema: Any) -> Any:
     return codec.new_file(path, schema)
 
 
+# --------------------------------------------------------------------------------------------------- token
+
+
+def _token(args: argparse.Namespace) -> int:
+    """Print one signed ticket for NAME, made with the secret in the secret file."""
+    from dissoc.tokens import load_secret, peek
+
+    secret_file = _secret_file(args)
+    if not secret_file:
+        raise DissocError(f"dissoc token needs --secret-file FILE (or ${SECRET_FILE_ENV})")
+    ticket = load_secret(secret_file).mint(args.name, ttl=args.ttl, scope=args.scope, bind=args.bind)
+    if args.json:
+        claims = peek(ticket)
+        assert claims is not None
+        line = {
+            "ticket": ticket,
+            "name": claims.name,
+            "scope": claims.scope,
+            "expires": claims.expires,
+            "bind": claims.bind,
+        }
+        sys.stdout.write(json.dumps(line) + "\n")
+    else:
+        sys.stdout.write(ticket + "\n")
+    sys.stdout.flush()
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------- cleanup
 
 
@@ -489,6 +624,8 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_serve(args))
         if args.command == "cleanup":
             return _cleanup(args)
+        if args.command == "token":
+            return _token(args)
         return asyncio.run(_get(args))
     except DissocError as e:
         sys.stderr.write(f"dissoc: error: {e}\n")

@@ -52,6 +52,7 @@ from dissoc.protocol import (
     seq_diff,
     seq_of,
 )
+from dissoc.tokens import is_signed, peek
 from dissoc.transport import Connection, connect
 from dissoc.uri import DissocURI
 
@@ -110,6 +111,11 @@ class ClientOptions:
     the CA bundle the server's certificate must be signed by (None: the system's trusted roots), and this
     client's certificate and key for servers that require one (mutual TLS). A ``tcp://`` URI is plaintext
     whatever these say.
+    ``token``: a signed ticket (:mod:`dissoc.tokens`, ``dissoc token``) for servers started with a secret.
+    A Flight control plane gets it as ``authorization: Bearer TOKEN`` and hands back endpoints with tickets
+    it signed; a dissoc URI gets it in place of the ticket when the ticket is the dataset's name the token
+    is for (a ticket that is already signed is sent as it is). A signed ticket given as the ticket to a
+    Flight location, with no ``token``, is used as the bearer token for the name it carries.
     """
 
     timeout: float = 30.0
@@ -125,6 +131,7 @@ class ClientOptions:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    token: str | None = None
 
 
 @dataclass(slots=True)
@@ -520,8 +527,9 @@ async def resolve_endpoints(
     place where the client's entry points (:func:`fetch`, :func:`stream_batches`, :func:`open_stream`, and
     ``dissoc get``) turn a control plane's location into streams.
     """
+    token = options.token if options is not None else None
     if not (isinstance(uri, str) and is_flight_location(uri)):
-        return [(uri, data_uri, ticket)], None
+        return [(uri, data_uri, _signed_ticket(ticket, token))], None
     if data_uri is not None:
         raise DissocError(
             "data_uri (--data-uri) does not apply to a Flight location (grpc://): the control plane gives "
@@ -538,8 +546,23 @@ async def resolve_endpoints(
         tls_ca=options.tls_ca,
         tls_cert=options.tls_cert,
         tls_key=options.tls_key,
+        token=token,
     )
     return list(info.endpoints), info.schema
+
+
+def _signed_ticket(ticket: str | bytes, token: str | None) -> str | bytes:
+    """What a dissoc server is sent for ``ticket`` given ``ClientOptions.token``: the token when the ticket is
+    the name it is for, the ticket itself otherwise (no token, or a ticket that is already signed)."""
+    if token is None or is_signed(ticket):
+        return ticket
+    claims = peek(token)
+    if claims is None:
+        raise DissocError("ClientOptions.token is not a signed ticket (dissoc token prints one)")
+    name = ticket if isinstance(ticket, str) else bytes(ticket).decode("utf-8", "replace")
+    if claims.name != name:
+        raise DissocError("ClientOptions.token is for another dataset than the ticket asked for")
+    return token
 
 
 async def stream_chunks(

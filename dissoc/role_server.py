@@ -29,6 +29,7 @@ from dissoc.errors import DissocError, ResourceError, TransportError
 from dissoc.logs import RateLimitedLog, peer_log
 from dissoc.protocol import ERROR_TAG, ServerMessage, ServerStream, encode_error, fmt_seq, fmt_tag
 from dissoc.protocol.ledger import QuotaExceeded
+from dissoc.tokens import Secret, TokenError
 from dissoc.transport import Connection, Listener, TaggedMessage, serve
 from dissoc.uri import DissocURI
 
@@ -47,6 +48,7 @@ __all__ = [
     "RoleServer",
     "ServeOptions",
     "StreamPart",
+    "UNAUTHORIZED",
     "stream_dataset",
 ]
 
@@ -63,6 +65,9 @@ class Role(enum.Enum):
     DATA = "data"
     COMBINED = "combined"
 
+
+#: The error code of a want_data refused for its token (missing, forged, expired, wrong scope or client).
+UNAUTHORIZED = "unauthorized"
 
 #: Largest want_data payload (ticket) a server reads (64 KiB).
 DEFAULT_MAX_TICKET_BYTES = 64 << 10
@@ -105,6 +110,9 @@ class ServeOptions:
     max_unfreed_bytes: int | None = None
     #: Seconds a stream waits for its client, at its quota, to free something before failing it.
     unfreed_wait: float = 5.0
+    #: With a secret, want_data must carry a signed ticket of scope ``read`` made with it
+    #: (:mod:`dissoc.tokens`); without one, the ticket is the dataset's name. (Its repr shows no key.)
+    secret: Secret | None = None
 
     @property
     def pairs(self) -> bool:
@@ -302,6 +310,8 @@ class RoleServer(abc.ABC):
         self._watched: dict[Connection, _Watch] = {}
         self._ticker: asyncio.TimerHandle | None = None
         self._drops: set[asyncio.Task[None]] = set()
+        #: want_data requests refused for their token (``unauthorized``) since the server started.
+        self.unauthorized = 0
 
     @abc.abstractmethod
     def parts(self, conn: Connection, dataset: Dataset, current: Callable[[], bool]) -> list[StreamPart]:
@@ -350,8 +360,19 @@ class RoleServer(abc.ABC):
 
     async def _answer(self, conn: Connection, request: TaggedMessage) -> None:
         """One want_data request: the ticket's stream, or an error."""
-        ticket = bytes(request.view())
-        log.debug("want_data tag=%s ticket=%r on %s", fmt_tag(request.tag), ticket[:64], conn.description)
+        ticket: bytes | str = bytes(request.view())
+        secret = self.options.secret
+        if log.isEnabledFor(logging.DEBUG):
+            # a signed ticket is a credential: not even part of it goes to the log
+            shown = repr(ticket[:64]) if secret is None else f"<{len(ticket)} bytes>"
+            log.debug("want_data tag=%s ticket=%s on %s", fmt_tag(request.tag), shown, conn.description)
+        if secret is not None:
+            try:
+                # The dataset served is the one the signed ticket names (exactly: no prefix, no wildcard).
+                ticket = secret.verify(ticket, scope="read", peer=getattr(conn, "peer_identity", None)).name
+            except TokenError as e:
+                await self._unauthorized(conn, e)
+                return
         try:
             dataset = self.catalog.get(ticket)
         except DissocError as e:
@@ -367,6 +388,21 @@ class RoleServer(abc.ABC):
             compression=self.options.compression,
             send_error=lambda message: self.send_error(conn, message),
         )
+
+    async def _unauthorized(self, conn: Connection, error: TokenError) -> None:
+        """A want_data whose ticket carries no valid token: counted, logged (rate-limited), answered with an
+        ``unauthorized`` error that names neither the dataset nor anything of the secret; the connection
+        stays open (a client may ask again with a valid ticket) and other clients are not affected."""
+        self.unauthorized += 1
+        peer_log.log(
+            logging.WARNING,
+            ("unauthorized", self.role),
+            "%s server refused want_data from %s: %s",
+            self.role.value,
+            conn.description,
+            error,
+        )
+        await self.send_error(conn, encode_error(0, UNAUTHORIZED, f"ticket refused: {error}"))
 
     async def _refuse(self, conn: Connection, error: ResourceError) -> None:
         """A request over a limit: log it (rate-limited), tell the client if the connection still sends, and

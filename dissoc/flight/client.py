@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final, overload
+from typing import TYPE_CHECKING, Final
 
 import pyarrow as pa
 
@@ -29,6 +29,7 @@ from dissoc.flight.common import (
     read_pem,
     ticket_name,
 )
+from dissoc.tokens import is_signed, peek
 from dissoc.uri import DissocURI, UriError
 
 if TYPE_CHECKING:
@@ -120,8 +121,23 @@ def _client(
             client.close()
 
 
-def _call_options(timeout: float | None) -> paflight.FlightCallOptions:
-    return flight_module().FlightCallOptions(timeout=timeout)
+def _call_options(timeout: float | None, token: str | None = None) -> paflight.FlightCallOptions:
+    """Call options: the timeout, and ``authorization: Bearer TOKEN`` when there is a token."""
+    headers = [] if token is None else [(b"authorization", b"Bearer " + token.encode("ascii"))]
+    return flight_module().FlightCallOptions(timeout=timeout, headers=headers)
+
+
+def _credentials(ticket: str | bytes, token: str | None) -> tuple[str | bytes, str | None]:
+    """(the dataset name to ask for, the bearer token): a signed ticket given as the ticket, with no token,
+    is the token for the name it carries."""
+    if token is None and is_signed(ticket):
+        claims = peek(ticket)
+        if claims is not None:
+            text = ticket if isinstance(ticket, str) else bytes(ticket).decode("ascii")
+            return claims.name, text
+    if token is not None and not token.isascii():
+        raise DissocError("a token is ASCII (a signed ticket from dissoc token)")
+    return ticket, token
 
 
 def _location_text(loc: paflight.Location | str | bytes, where: str) -> str:
@@ -174,15 +190,6 @@ def _parse_info(info: paflight.FlightInfo, where: str) -> DatasetInfo:
     )
 
 
-# Two signatures for the type checker: callers that pass ``**{"timeout": t}`` match the first (the TLS
-# arguments are not floats), the others the second.
-@overload
-def describe(
-    location: str, ticket: str | bytes, *, timeout: float | None = DEFAULT_TIMEOUT
-) -> DatasetInfo: ...
-
-
-@overload
 def describe(
     location: str,
     ticket: str | bytes,
@@ -191,27 +198,21 @@ def describe(
     tls_ca: PemPath = None,
     tls_cert: PemPath = None,
     tls_key: PemPath = None,
-) -> DatasetInfo: ...
-
-
-def describe(
-    location: str,
-    ticket: str | bytes,
-    *,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    tls_ca: PemPath = None,
-    tls_cert: PemPath = None,
-    tls_key: PemPath = None,
+    token: str | None = None,
 ) -> DatasetInfo:
     """GetFlightInfo for the dataset ``ticket`` (descriptor ``for_path(name)``), checked.
 
     For a ``grpc+tls://`` location, ``tls_ca`` is the CA bundle the control plane's certificate must be
     signed by (None: the system's roots) and ``tls_cert``/``tls_key`` this client's certificate, for a plane
-    that requires one; the other calls of this module take the same arguments."""
+    that requires one; the other calls of this module take the same arguments.
+
+    ``token``: a signed ticket sent as ``authorization: Bearer TOKEN`` to a control plane with a secret (a
+    signed ticket given as ``ticket`` serves as the token for the name it carries)."""
     flight = flight_module()
+    ticket, token = _credentials(ticket, token)
     what = f"GetFlightInfo({ticket!r})"
     with _client(location, what, tls_ca, tls_cert, tls_key) as client:
-        info = client.get_flight_info(flight.FlightDescriptor.for_path(ticket), _call_options(timeout))
+        info = client.get_flight_info(flight.FlightDescriptor.for_path(ticket), _call_options(timeout, token))
     return _parse_info(info, f"{what} at {location}")
 
 
@@ -223,16 +224,18 @@ def resolve(
     tls_ca: PemPath = None,
     tls_cert: PemPath = None,
     tls_key: PemPath = None,
+    token: str | None = None,
 ) -> list[Endpoint]:
     """The endpoints of dataset ``ticket`` at the Flight control plane ``location``:
     ``[(metadata URI, data URI, ticket), ...]``, from GetFlightInfo.
 
     Raises TransportError (unreachable, or no answer within ``timeout`` seconds), RemoteError (the control
     plane refused, e.g. code ``unknown_ticket``), ProtocolError (an endpoint without two dissoc URIs), or
-    UriError (``location`` is not ``grpc://HOST:PORT``).
+    UriError (``location`` is not ``grpc://HOST:PORT``). With a ``token`` (see :func:`describe`), the
+    endpoints' tickets are signed tickets the control plane made for this dataset.
     """
     return describe(
-        location, ticket, timeout=timeout, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
+        location, ticket, timeout=timeout, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token
     ).endpoints
 
 
@@ -243,11 +246,13 @@ def list_datasets(
     tls_ca: PemPath = None,
     tls_cert: PemPath = None,
     tls_key: PemPath = None,
+    token: str | None = None,
 ) -> list[DatasetInfo]:
-    """Every dataset the control plane at ``location`` lists (ListFlights), with its endpoints."""
+    """Every dataset the control plane at ``location`` lists (ListFlights), with its endpoints (with a
+    ``token``, those it grants)."""
     what = "ListFlights"
     with _client(location, what, tls_ca, tls_cert, tls_key) as client:
-        infos = list(client.list_flights(b"", _call_options(timeout)))
+        infos = list(client.list_flights(b"", _call_options(timeout, token)))
     return [_parse_info(info, f"{what} at {location}") for info in infos]
 
 
@@ -261,6 +266,7 @@ def publish(
     tls_ca: PemPath = None,
     tls_cert: PemPath = None,
     tls_key: PemPath = None,
+    token: str | None = None,
 ) -> int:
     """Upload ``data`` with DoPut; the control plane's dissoc server then serves it as ``name``.
 
@@ -281,7 +287,7 @@ def publish(
         descriptor = flight.FlightDescriptor.for_path(name)
     what = f"DoPut({name!r})"
     with _client(location, what, tls_ca, tls_cert, tls_key) as client:
-        writer, ack_reader = client.do_put(descriptor, data.schema, _call_options(timeout))
+        writer, ack_reader = client.do_put(descriptor, data.schema, _call_options(timeout, token))
         with writer:  # close() reports the server's verdict
             if isinstance(data, pa.Table):
                 writer.write_table(data)
@@ -304,10 +310,11 @@ def remove(
     tls_ca: PemPath = None,
     tls_cert: PemPath = None,
     tls_key: PemPath = None,
+    token: str | None = None,
 ) -> None:
     """Stop serving dataset ``name`` (the ``remove`` action); RemoteError ``unknown_ticket`` if not served."""
     flight = flight_module()
     body = name.encode("utf-8") if isinstance(name, str) else bytes(name)
     what = f"action remove({name!r})"
     with _client(location, what, tls_ca, tls_cert, tls_key) as client:
-        list(client.do_action(flight.Action(ACTION_REMOVE, body), _call_options(timeout)))
+        list(client.do_action(flight.Action(ACTION_REMOVE, body), _call_options(timeout, token)))

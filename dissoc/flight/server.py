@@ -56,15 +56,30 @@ from dissoc.flight.common import (
     read_pem,
     ticket_name,
 )
+from dissoc.logs import peer_log
+from dissoc.tokens import Claims, Scope, Secret, TokenError, is_signed
 
 if TYPE_CHECKING:
     import pyarrow.flight as paflight
 
     from dissoc.server import Server
 
-__all__ = ["FlightControlPlane", "flight_server_class", "serve_with_flight"]
+__all__ = [
+    "AUTH_HEADER",
+    "DEFAULT_MAX_PUT_BYTES",
+    "FlightControlPlane",
+    "flight_server_class",
+    "serve_with_flight",
+]
 
 log = logging.getLogger(__name__)
+
+#: Largest upload one DoPut may make by default (1 GiB of record batches, as pyarrow counts ``nbytes``).
+DEFAULT_MAX_PUT_BYTES: Final = 1 << 30
+#: The header a control plane with a secret reads a caller's token from: ``authorization: Bearer TOKEN``.
+AUTH_HEADER: Final = "authorization"
+#: The key the authentication middleware is registered under (``context.get_middleware``).
+_AUTH_KEY: Final = "dissoc-auth"
 
 _ACTIONS: Final = (
     (ACTION_REMOVE, 'Stop serving a dataset to new requests; body: its ticket. Result: JSON {"removed"}.'),
@@ -77,8 +92,10 @@ def _error(code: str, message: str) -> Exception:
     flight = flight_module()
     extra = json.dumps({"code": code, "message": message}).encode()
     error: Exception
-    if code == "read_only":
+    if code in ("read_only", "unauthorized"):
         error = flight.FlightUnauthorizedError(message, extra)
+    elif code == "unauthenticated":
+        error = flight.FlightUnauthenticatedError(message, extra)
     else:
         error = flight.FlightServerError(message, extra)
     return error
@@ -100,12 +117,79 @@ class _Handlers:
     """What the Flight server does, in plain typed Python (the pyarrow subclass only delegates here)."""
 
     def __init__(
-        self, server: Server, *, read_only: bool, max_put_bytes: int | None, closing: threading.Event
+        self,
+        server: Server,
+        *,
+        read_only: bool,
+        max_put_bytes: int | None,
+        closing: threading.Event,
+        secret: Secret | None = None,
     ) -> None:
         self.server = server
         self.read_only = read_only
         self.max_put_bytes = max_put_bytes
         self.closing = closing
+        self.secret = secret
+        #: Calls refused for their token: none or not valid (``unauthenticated``), or one that does not
+        #: grant the dataset or the scope the call needs (``unauthorized``).
+        self.unauthenticated = 0
+        self.unauthorized = 0
+        self._lock = threading.Lock()
+
+    # -- who may ask
+
+    def authenticate(self, headers: dict[str, list[str | bytes]], method: str = "call") -> Claims:
+        """The checked claims of the call's bearer token (middleware, for every call), else
+        ``unauthenticated``: no ``authorization: Bearer`` header, or a token that is not valid."""
+        assert self.secret is not None
+        values = headers.get(AUTH_HEADER, [])
+        try:
+            if len(values) != 1:
+                raise TokenError("the call carries no authorization: Bearer TOKEN header")
+            value = values[0]
+            text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+            scheme, _, token = text.strip().partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise TokenError("the authorization header is not Bearer TOKEN")
+            claims = self.secret.verify(token.strip())
+            if claims.bind is not None:
+                # A Flight call's client certificate is not visible here: a bound token cannot be checked.
+                raise TokenError("a token bound to a client is valid on the data servers only")
+        except TokenError as e:
+            with self._lock:
+                self.unauthenticated += 1
+            peer_log.log(logging.WARNING, ("flight", "unauthenticated"), "Flight %s refused: %s", method, e)
+            raise _error("unauthenticated", f"authentication required: {e}") from None
+        return claims
+
+    def authorize(self, claims: Claims | None, name: str, scope: Scope = "read") -> None:
+        """Whether ``claims`` (None without a secret) let the caller ``scope`` dataset ``name``: a token
+        grants its name, the names under it and every name for ``*``; ``write`` needs a write token, ``read``
+        either. Refused: ``unauthorized``, naming neither the dataset nor the token."""
+        if self.secret is None:
+            return
+        why = None
+        if claims is None:
+            why = "no token"
+        elif not claims.grants(name):
+            why = "the token does not grant this dataset"
+        elif scope == "write" and claims.scope != "write":
+            why = "this call needs a token of scope 'write'"
+        if why is not None:
+            with self._lock:
+                self.unauthorized += 1
+            peer_log.log(logging.WARNING, ("flight", "unauthorized"), "Flight call refused: %s", why)
+            raise _error("unauthorized", f"not allowed: {why}")
+
+    def _grants(self, claims: Claims | None, name: str) -> bool:
+        return self.secret is None or (claims is not None and claims.grants(name))
+
+    def _ticket(self, name: str, claims: Claims | None) -> bytes:
+        """The ticket an endpoint carries: the name, or with a secret a signed ticket of scope ``read`` for
+        it that expires with the caller's token."""
+        if self.secret is None or claims is None:
+            return name.encode("utf-8")
+        return self.secret.mint(name, expires=claims.expires, scope="read").encode("ascii")
 
     # -- discovery
 
@@ -118,11 +202,13 @@ class _Handlers:
             return "/".join(parts)
         return ticket_name(descriptor.command)
 
-    def _info(self, name: str, descriptor: paflight.FlightDescriptor) -> paflight.FlightInfo:
+    def _info(
+        self, name: str, descriptor: paflight.FlightDescriptor, claims: Claims | None = None
+    ) -> paflight.FlightInfo:
         flight = flight_module()
         described = self.server.catalog.describe(name)
         locations = [flight.Location(self.server.uri), flight.Location(self.server.data_uri)]
-        endpoint = flight.FlightEndpoint(name.encode("utf-8"), locations)
+        endpoint = flight.FlightEndpoint(self._ticket(name, claims), locations)
         rows, nbytes = described["num_rows"], described["nbytes"]
         return flight.FlightInfo(
             described["schema"],
@@ -132,32 +218,52 @@ class _Handlers:
             -1 if nbytes is None else int(nbytes),
         )
 
-    def list_flights(self, criteria: bytes) -> Iterator[paflight.FlightInfo]:
+    def list_flights(self, criteria: bytes, claims: Claims | None = None) -> Iterator[paflight.FlightInfo]:
         flight = flight_module()
         with _as_flight_errors("ListFlights"):
             prefix = ticket_name(criteria) if criteria else ""
         for name in self.server.catalog.names():
-            if not name.startswith(prefix):
+            if not name.startswith(prefix) or not self._grants(claims, name):
                 continue
             try:
-                yield self._info(name, flight.FlightDescriptor.for_path(name))
+                yield self._info(name, flight.FlightDescriptor.for_path(name), claims)
             except UnknownTicket:  # removed meanwhile
                 continue
 
-    def get_flight_info(self, descriptor: paflight.FlightDescriptor) -> paflight.FlightInfo:
+    def get_flight_info(
+        self, descriptor: paflight.FlightDescriptor, claims: Claims | None = None
+    ) -> paflight.FlightInfo:
         with _as_flight_errors("GetFlightInfo"):
-            return self._info(self._descriptor_name(descriptor), descriptor)
+            name = self._descriptor_name(descriptor)
+            self.authorize(claims, name)
+            return self._info(name, descriptor, claims)
 
-    def get_schema(self, descriptor: paflight.FlightDescriptor) -> paflight.SchemaResult:
+    def get_schema(
+        self, descriptor: paflight.FlightDescriptor, claims: Claims | None = None
+    ) -> paflight.SchemaResult:
         flight = flight_module()
         with _as_flight_errors("GetSchema"):
-            return flight.SchemaResult(self.server.catalog.get(self._descriptor_name(descriptor)).schema)
+            name = self._descriptor_name(descriptor)
+            self.authorize(claims, name)
+            return flight.SchemaResult(self.server.catalog.get(name).schema)
 
     # -- data
 
-    def do_get(self, ticket: bytes) -> paflight.FlightDataStream:
+    def do_get(self, ticket: bytes, claims: Claims | None = None) -> paflight.FlightDataStream:
         with _as_flight_errors("DoGet"):
-            dataset = self.server.catalog.get(ticket)
+            name: bytes | str = ticket
+            if self.secret is not None:
+                if is_signed(ticket):  # an endpoint's ticket: it must be one this plane signed
+                    try:
+                        name = self.secret.verify(ticket, scope="read").name
+                    except TokenError as e:
+                        with self._lock:
+                            self.unauthorized += 1
+                        raise _error("unauthorized", f"ticket refused: {e}") from None
+                else:
+                    name = ticket_name(ticket)
+                self.authorize(claims, str(name))
+            dataset = self.server.catalog.get(name)
             log.debug("Flight DoGet %r", dataset.name)
             return _flight_stream(dataset, self.closing)
 
@@ -182,11 +288,13 @@ class _Handlers:
         descriptor: paflight.FlightDescriptor,
         reader: paflight.MetadataRecordBatchReader,
         writer: paflight.FlightMetadataWriter,
+        claims: Claims | None = None,
     ) -> None:
         with _as_flight_errors("DoPut"):
-            name, replace = self._put_target(descriptor)
             if self.read_only:
-                raise _error("read_only", f"this control plane is read-only: cannot publish {name!r}")
+                raise _error("read_only", "this control plane is read-only: DoPut is refused")
+            name, replace = self._put_target(descriptor)
+            self.authorize(claims, name, "write")
             if not replace and name in self.server.catalog:
                 raise _error("already_exists", f"a dataset named {name!r} is already served")
             batches: list[pa.RecordBatch] = []
@@ -200,7 +308,8 @@ class _Handlers:
                     raise _error(
                         "too_large",
                         f"DoPut of {name!r}: more than the {self.max_put_bytes} bytes this control plane "
-                        "accepts",
+                        "accepts in one upload (FlightControlPlane(max_put_bytes=...), dissoc serve "
+                        "--flight-max-put-mib)",
                     )
                 batches.append(batch)
             table = pa.Table.from_batches(batches, schema=reader.schema)
@@ -216,16 +325,18 @@ class _Handlers:
 
     # -- actions
 
-    def do_action(self, kind: str, body: bytes) -> list[bytes]:
+    def do_action(self, kind: str, body: bytes, claims: Claims | None = None) -> list[bytes]:
         with _as_flight_errors(f"action {kind!r}"):
             if kind == ACTION_REMOVE:
                 if self.read_only:
-                    raise _error("read_only", f"this control plane is read-only: cannot remove {body[:64]!r}")
+                    raise _error("read_only", "this control plane is read-only: the remove action is refused")
+                self.authorize(claims, ticket_name(body), "write")
                 removed = self.server.remove(ticket_name(body)).name
                 log.info("Flight action: removed %r", removed)
                 return [json.dumps({"removed": ticket_name(body)}).encode()]
             if kind == ACTION_LIST_TICKETS:
-                return [json.dumps(self.server.catalog.names()).encode()]
+                names = [n for n in self.server.catalog.names() if self._grants(claims, n)]
+                return [json.dumps(names).encode()]
             known = ", ".join(repr(k) for k, _ in _ACTIONS)
             raise _error("unknown_action", f"unknown action {kind!r} (known: {known})")
 
@@ -284,33 +395,60 @@ def flight_server_class() -> type[paflight.FlightServerBase]:
     """
     flight = flight_module()
     base: Any = flight.FlightServerBase  # pyarrow has no type information: a class the checker cannot see
+    middleware_base: Any = flight.ServerMiddleware
+    factory_base: Any = flight.ServerMiddlewareFactory
+
+    class Authenticated(middleware_base):  # type: ignore[misc]
+        """One call's checked token claims."""
+
+        def __init__(self, claims: Claims) -> None:
+            super().__init__()
+            self.claims = claims
+
+    class Authenticator(factory_base):  # type: ignore[misc]
+        """Checks every call's ``authorization: Bearer TOKEN`` header before its handler runs."""
+
+        def __init__(self, handlers: _Handlers) -> None:
+            super().__init__()
+            self.handlers = handlers
+
+        def start_call(self, info: Any, headers: dict[str, list[str | bytes]]) -> Authenticated:
+            method = str(getattr(info, "method", "call")).rpartition(".")[2]
+            return Authenticated(self.handlers.authenticate(headers, method))
+
+    def claims_of(context: paflight.ServerCallContext) -> Claims | None:
+        found = context.get_middleware(_AUTH_KEY)
+        return found.claims if isinstance(found, Authenticated) else None
 
     class DissocFlightServer(base):  # type: ignore[misc]
-        """Flight service whose endpoints point at a dissoc server (see :mod:`dissoc.flight`)."""
+        """Flight service whose endpoints point at a dissoc server (see :mod:`dissoc.flight`). With a
+        secret, every call needs a valid bearer token (a middleware checks it before the handler runs)."""
 
-        def __init__(self, location: str, handlers: _Handlers, **kwargs: object) -> None:
+        def __init__(self, location: str, handlers: _Handlers, **kwargs: Any) -> None:
+            if handlers.secret is not None:
+                kwargs["middleware"] = {**kwargs.get("middleware", {}), _AUTH_KEY: Authenticator(handlers)}
             super().__init__(location, **kwargs)
             self.handlers = handlers
 
         def list_flights(
             self, context: paflight.ServerCallContext, criteria: bytes
         ) -> Iterator[paflight.FlightInfo]:
-            return self.handlers.list_flights(criteria)
+            return self.handlers.list_flights(criteria, claims_of(context))
 
         def get_flight_info(
             self, context: paflight.ServerCallContext, descriptor: paflight.FlightDescriptor
         ) -> paflight.FlightInfo:
-            return self.handlers.get_flight_info(descriptor)
+            return self.handlers.get_flight_info(descriptor, claims_of(context))
 
         def get_schema(
             self, context: paflight.ServerCallContext, descriptor: paflight.FlightDescriptor
         ) -> paflight.SchemaResult:
-            return self.handlers.get_schema(descriptor)
+            return self.handlers.get_schema(descriptor, claims_of(context))
 
         def do_get(
             self, context: paflight.ServerCallContext, ticket: paflight.Ticket
         ) -> paflight.FlightDataStream:
-            return self.handlers.do_get(ticket.ticket)
+            return self.handlers.do_get(ticket.ticket, claims_of(context))
 
         def do_put(
             self,
@@ -319,13 +457,14 @@ def flight_server_class() -> type[paflight.FlightServerBase]:
             reader: paflight.MetadataRecordBatchReader,
             writer: paflight.FlightMetadataWriter,
         ) -> None:
-            self.handlers.do_put(descriptor, reader, writer)
+            self.handlers.do_put(descriptor, reader, writer, claims_of(context))
 
         def do_action(
             self, context: paflight.ServerCallContext, action: paflight.Action
         ) -> Iterator[paflight.Result]:
             body = action.body.to_pybytes() if action.body is not None else b""
-            return iter([flight.Result(pa.py_buffer(r)) for r in self.handlers.do_action(action.type, body)])
+            results = self.handlers.do_action(action.type, body, claims_of(context))
+            return iter([flight.Result(pa.py_buffer(r)) for r in results])
 
         def list_actions(self, context: paflight.ServerCallContext) -> list[paflight.ActionType]:
             return [flight.ActionType(kind, description) for kind, description in _ACTIONS]
@@ -342,13 +481,23 @@ class FlightControlPlane:
 
     Listens on ``host:port`` (port 0 picks a free one; :attr:`location` says which) once started, with
     ``await plane.start()`` or ``async with``. ``read_only=True`` refuses DoPut and the remove action;
-    ``max_put_bytes`` bounds what one DoPut may upload (None: no bound). Closing waits up to
-    ``shutdown_timeout`` seconds for running calls (a DoGet to a stalled client can take longer; it is then
-    left to finish on its own and a warning is logged).
+    ``max_put_bytes`` bounds what one DoPut may upload (default 1 GiB; None: no bound).
 
     TLS: with ``tls_cert`` and ``tls_key`` (PEM files) the plane listens on ``grpc+tls://``; with
     ``tls_client_ca`` too, gRPC requires every client to present a certificate signed by a CA in that bundle
     (mutual TLS), as the dissoc server's ``tls_client_ca`` does.
+
+    With the server's secret (:attr:`Server.secret <dissoc.server.Server.secret>`), every call needs an
+    ``authorization: Bearer TOKEN`` header carrying a signed ticket made with it (:mod:`dissoc.tokens`): none,
+    or one forged, expired or bound to a client, is refused with ``FlightUnauthenticatedError``. A token
+    grants its name, the names under it (``NAME/...``) and, for ``*``, every name; ListFlights and the
+    ``list-tickets`` action show only what it grants, GetFlightInfo, GetSchema and DoGet of anything else are
+    refused with ``FlightUnauthorizedError``, and DoPut and ``remove`` need scope ``write``. The tickets of
+    the endpoints handed out are signed tickets of scope ``read`` for their dataset that expire with the
+    caller's token: what a caller may describe, it may fetch over dissoc, and nothing else.
+
+    Closing waits up to ``shutdown_timeout`` seconds for running calls (a DoGet to a stalled client can take
+    longer; it is then left to finish on its own and a warning is logged).
     """
 
     def __init__(
@@ -358,7 +507,7 @@ class FlightControlPlane:
         port: int = 0,
         *,
         read_only: bool = False,
-        max_put_bytes: int | None = None,
+        max_put_bytes: int | None = DEFAULT_MAX_PUT_BYTES,
         shutdown_timeout: float = 10.0,
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
@@ -372,7 +521,11 @@ class FlightControlPlane:
         self.shutdown_timeout = shutdown_timeout
         self._closing = threading.Event()
         self.handlers = _Handlers(
-            server, read_only=read_only, max_put_bytes=max_put_bytes, closing=self._closing
+            server,
+            read_only=read_only,
+            max_put_bytes=max_put_bytes,
+            closing=self._closing,
+            secret=server.secret,
         )
         self.flight_server: paflight.FlightServerBase | None = None
 
@@ -393,6 +546,16 @@ class FlightControlPlane:
         self._closing.clear()
         log.info("Flight control plane at %s for %s", self.location, self.server.uri)
         return self
+
+    @property
+    def unauthenticated(self) -> int:
+        """Calls refused since the start for carrying no valid token."""
+        return self.handlers.unauthenticated
+
+    @property
+    def unauthorized(self) -> int:
+        """Calls refused since the start for a token that does not allow them (dataset or scope)."""
+        return self.handlers.unauthorized
 
     @property
     def port(self) -> int:
@@ -483,13 +646,14 @@ async def serve_with_flight(
     flight_host: str | None = None,
     flight_port: int = 0,
     read_only: bool = False,
-    max_put_bytes: int | None = None,
+    max_put_bytes: int | None = DEFAULT_MAX_PUT_BYTES,
     **server_options: Any,
 ) -> AsyncIterator[FlightControlPlane]:
     """A :class:`dissoc.server.Server` (``datasets``, ``**server_options``) and its control plane, started
     together; yields the plane (``plane.server`` is the dissoc server). The plane listens on the server's
-    host unless ``flight_host`` is given, and with the server's TLS certificates (``tls_cert``, ``tls_key``,
-    ``tls_client_ca``) when it has them: ``grpc+tls://``."""
+    host unless ``flight_host`` is given, with the server's TLS certificates (``tls_cert``, ``tls_key``,
+    ``tls_client_ca``) when it has them (``grpc+tls://``), and with the server's ``secret`` when it has
+    one."""
     from dissoc.server import Server
 
     host = flight_host if flight_host is not None else str(server_options.get("host", "127.0.0.1"))

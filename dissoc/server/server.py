@@ -31,6 +31,7 @@ from dissoc.role_server import (
     ServeOptions,
 )
 from dissoc.server.combined import CombinedServer
+from dissoc.tokens import Secret
 from dissoc.transport.base import ReceiveBudget, default_max_connections
 from dissoc.transport.tls import DEFAULT_HANDSHAKE_TIMEOUT, server_context
 from dissoc.uri import DissocURI
@@ -87,6 +88,11 @@ class Server:
     CA in that bundle (its subject is the connection's ``peer_identity``). A connection that has not
     completed its handshake within ``tls_handshake_timeout`` seconds (10) is dropped. See
     :mod:`dissoc.transport.tls`.
+    Who may ask: with ``secret`` (a :class:`dissoc.tokens.Secret`, or its bytes: see
+    :func:`dissoc.tokens.load_secret`), want_data must carry a signed ticket of scope ``read`` made with it
+    (:func:`dissoc.tokens.mint`, ``dissoc token``); anything else is refused with the error code
+    ``unauthorized`` (:data:`unauthorized` counts them) and the server goes on serving. Without one, the
+    ticket is the dataset's name, as always.
     """
 
     def __init__(
@@ -117,12 +123,17 @@ class Server:
         tls_key: str | os.PathLike[str] | None = None,
         tls_client_ca: str | os.PathLike[str] | None = None,
         tls_handshake_timeout: float | None = DEFAULT_HANDSHAKE_TIMEOUT,
+        secret: Secret | bytes | str | None = None,
         **transport_options: Any,
     ) -> None:
         for what, number in (("port", port), ("data_port", data_port)):
             if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number <= 65535:
                 # the OS would wrap 70000 to 4464, or take 65536 as "any port"
                 raise DissocError(f"{what} must be 0 (any free port) to 65535, got {number!r}")
+        #: The signing secret (None: tickets are plain names). Its repr shows no key.
+        self.secret: Secret | None = (
+            secret if secret is None or isinstance(secret, Secret) else Secret(secret)
+        )
         self.catalog = Catalog()
         for name, obj in (datasets or {}).items():
             self.catalog.add(name, obj)
@@ -157,6 +168,7 @@ class Server:
             want_data_timeout=want_data_timeout,
             idle_timeout=idle_timeout,
             max_unfreed_bytes=max_unfreed_bytes,
+            secret=self.secret,
         )
         for name, value in (
             ("want_data_timeout", want_data_timeout),
@@ -234,6 +246,11 @@ class Server:
     @property
     def uris(self) -> tuple[DissocURI, DissocURI]:
         return self._servers[0].uri(), self._servers[-1].uri()
+
+    @property
+    def unauthorized(self) -> int:
+        """want_data requests refused for their token since the start (both servers when split)."""
+        return sum(s.unauthorized for s in self._servers)
 
     async def serve_forever(self) -> None:
         """Serve until :meth:`close` is called (or the task is cancelled)."""

@@ -29,7 +29,9 @@ The schema is fetched on the driver (GetFlightInfo, or the first stream's schema
 array, maps, structs, null -> void (nullability as in Arrow).
 Nanoseconds are truncated to microseconds. Unions, month-day-nano intervals and decimals wider than 38
 digits are refused with a :class:`SparkTypeError`. Options: ``timeout`` (seconds of silence tolerated,
-default 30), ``validate`` (``false`` skips the decoder's content checks, for trusted servers).
+default 30), ``validate`` (``false`` skips the decoder's content checks, for trusted servers), ``token`` (a
+signed ticket, :mod:`dissoc.tokens`, for servers started with a secret: the control plane's bearer token,
+and in place of listed endpoints' names; writing needs one of scope ``write``).
 
 **Writing** — each task publishes its partition to a running ``dissoc serve --flight`` through Flight DoPut::
 

@@ -5,6 +5,12 @@ server of its own (on a thread with its own event loop), swaps server URIs with 
 ``BarrierTaskContext.allGather``, fetches the buckets meant for it from every peer, then waits at a barrier
 (so no server stops while a peer still reads from it) and shuts its server down. A server therefore lives
 exactly as long as the barrier stage, which also keeps it clear of Python workers dying when idle.
+
+No outside process can read a stage's buckets: each task's server is started with a random secret of its own
+(:class:`dissoc.tokens.Secret`, made for this stage and never written anywhere), and serves only signed
+tickets made with it. The task mints one ticket per peer (for that peer's bucket only) and shares them with
+the URIs through ``allGather``, which travels over Spark's own channel (protected by ``spark.authenticate``
+where it is on); the secret itself never leaves the task, and dies with the stage's server.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dissoc.errors import DissocError
+from dissoc.tokens import Secret
 
 __all__ = ["Partitioner", "exchange", "hash_partition"]
 
@@ -36,6 +43,10 @@ array or anything ``numpy.asarray`` takes)."""
 
 #: What :func:`exchange` takes: this task's rows.
 ExchangeData: TypeAlias = "Iterable[pa.RecordBatch | pa.Table] | pa.Table | pa.RecordBatch"
+
+#: How long the tickets a task hands its peers stay valid: its server and its secret end with the stage, and
+#: a peer may reach allGather long after this task did.
+_TICKET_TTL = 24 * 3600
 
 HOST_ENV = "DISSOC_SPARK_HOST"
 """Environment variable naming the address exchange servers bind to and advertise (overrides the default)."""
@@ -144,8 +155,9 @@ def _split(batch: pa.RecordBatch, destinations: npt.ArrayLike, n: int) -> list[p
 class _ServerThread:
     """A dissoc Server on its own loop in a daemon thread (the task's main thread blocks in barriers)."""
 
-    def __init__(self, datasets: dict[str, pa.Table], host: str, port: int) -> None:
+    def __init__(self, datasets: dict[str, pa.Table], host: str, port: int, secret: Secret) -> None:
         self._datasets = datasets
+        self._secret = secret
         self._host = host
         self._port = port
         self._ready = threading.Event()
@@ -162,7 +174,8 @@ class _ServerThread:
 
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
-            async with Server(self._datasets, host=self._host, port=self._port) as server:
+            server = Server(self._datasets, host=self._host, port=self._port, secret=self._secret)
+            async with server:
                 self.uri, self.data_uri = server.uri, server.data_uri
                 self._ready.set()
                 await self._stop.wait()
@@ -287,17 +300,22 @@ def exchange(
     if schema is not None:
         datasets = {f"to-{j}": pa.Table.from_batches(buckets[j], schema=schema) for j in range(n) if j != me}
     bind = _bind_host(host, addresses, me)
-    server = _ServerThread(datasets, bind, port)
+    secret = Secret.generate()  # this task's, for this stage only
+    server = _ServerThread(datasets, bind, port, secret)
     server.start(timeout)
     try:
-        mine = json.dumps({"uri": server.uri, "data_uri": server.data_uri, "serves": schema is not None})
+        # Peer j gets a ticket for its own bucket only.
+        tickets = {str(j): secret.mint(f"to-{j}", ttl=_TICKET_TTL) for j in range(n) if j != me}
+        mine = json.dumps(
+            {"uri": server.uri, "data_uri": server.data_uri, "serves": schema is not None, "tickets": tickets}
+        )
         log.info("exchange task %d/%d serving at %s", me, n, server.uri)
         peers = [json.loads(m) for m in context.allGather(mine)]
         options = ClientOptions(timeout=timeout)
 
         async def fetch_all() -> list[pa.Table]:
             coros = [
-                fetch_async(p["uri"], f"to-{me}", data_uri=p["data_uri"], options=options)
+                fetch_async(p["uri"], p["tickets"][str(me)], data_uri=p["data_uri"], options=options)
                 for j, p in enumerate(peers)
                 if j != me and p["serves"]
             ]

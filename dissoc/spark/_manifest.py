@@ -139,15 +139,19 @@ def decode_manifest(table: pa.Table) -> list[WrittenPart]:
     return [WrittenPart(**row) for row in rows]
 
 
-def describe_manifest(location: str, name: str, *, timeout: float | None = None) -> pa.Schema | None:
+def describe_manifest(
+    location: str, name: str, *, timeout: float | None = None, token: str | None = None
+) -> pa.Schema | None:
     """The schema of the manifest served as ``name`` (its metadata says the rest); None when nothing is.
 
-    Raises DissocError when ``name`` is served but is not a manifest.
+    Raises DissocError when ``name`` is served but is not a manifest. ``token``: the bearer token for a
+    control plane with a secret (:mod:`dissoc.tokens`).
     """
     from dissoc import flight
 
     try:
-        info = flight.describe(location, name, **({} if timeout is None else {"timeout": timeout}))
+        wait = flight.DEFAULT_TIMEOUT if timeout is None else timeout
+        info = flight.describe(location, name, timeout=wait, token=token)
     except RemoteError as e:
         if e.code == "unknown_ticket":
             return None
@@ -160,33 +164,36 @@ def describe_manifest(location: str, name: str, *, timeout: float | None = None)
     return info.schema
 
 
-def read_manifest(location: str, name: str) -> tuple[list[WrittenPart], pa.Schema, list[str]] | None:
+def read_manifest(
+    location: str, name: str, *, token: str | None = None
+) -> tuple[list[WrittenPart], pa.Schema, list[str]] | None:
     """``(parts, data schema, jobs)`` of the manifest served as ``name``; None when nothing is served.
 
     Raises DissocError when ``name`` is served but is not a manifest.
     """
-    from dissoc.client import fetch
+    from dissoc.client import ClientOptions, fetch
 
-    schema = describe_manifest(location, name)
+    schema = describe_manifest(location, name, token=token)
     if schema is None:
         return None
-    table = fetch(location, name)
+    table = fetch(location, name, options=ClientOptions(token=token))
     return decode_manifest(table), manifest_data_schema(schema), manifest_jobs(schema)
 
 
-def written(location: str, name: str) -> list[WrittenPart]:
+def written(location: str, name: str, *, token: str | None = None) -> list[WrittenPart]:
     """Every committed partition written under ``name`` at the Flight control plane ``location``.
 
     In commit order (jobs in the order they committed, partitions in partition order); empty when nothing
     was written under ``name``.
     """
-    found = read_manifest(location, name)
+    found = read_manifest(location, name, token=token)
     return [] if found is None else found[0]
 
 
-def last_write(location: str, name: str) -> list[WrittenPart]:
-    """The committed partitions of the most recent job written under ``name`` (empty if none)."""
-    parts = written(location, name)
+def last_write(location: str, name: str, *, token: str | None = None) -> list[WrittenPart]:
+    """The committed partitions of the most recent job written under ``name`` (empty if none). ``token``:
+    the bearer token for a control plane with a secret."""
+    parts = written(location, name, token=token)
     if not parts:
         return []
     job = parts[-1].job

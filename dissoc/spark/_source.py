@@ -99,12 +99,13 @@ def parse_endpoints(text: str) -> list[Endpoint]:
     return endpoints
 
 
-def _stream_schema(endpoint: Endpoint, timeout: float) -> pa.Schema:
+def _stream_schema(endpoint: Endpoint, timeout: float, token: str | None = None) -> pa.Schema:
     """The schema of one stream: open it, read the schema message, hang up."""
     from dissoc.client import ClientOptions, open_stream
 
     uri, data_uri, ticket = endpoint
-    with open_stream(uri, ticket, data_uri=data_uri, options=ClientOptions(timeout=timeout)) as reader:
+    options = ClientOptions(timeout=timeout, token=token)
+    with open_stream(uri, ticket, data_uri=data_uri, options=options) as reader:
         return reader.schema
 
 
@@ -154,6 +155,11 @@ class DissocDataSource(DataSource):
     def _dataset_name(self) -> str | None:
         return self._option("path") or self._option("name")
 
+    @property
+    def _token(self) -> str | None:
+        """The ``token`` option: a signed ticket (:mod:`dissoc.tokens`) for servers with a secret."""
+        return self._option("token") or None
+
     # -- reading
 
     def _resolve(self) -> tuple[list[Endpoint], pa.Schema]:
@@ -164,14 +170,14 @@ class DissocDataSource(DataSource):
         location = self._option("location")
         if listed is not None:
             endpoints = parse_endpoints(listed)
-            schema = _stream_schema(endpoints[0], self._timeout)
+            schema = _stream_schema(endpoints[0], self._timeout, self._token)
         elif location is not None:
             name = self._dataset_name()
             if not name:
                 raise DissocError(
                     'reading from a Flight location needs a dataset name: .option("location", ...).load(NAME)'
                 )
-            endpoints, schema = _resolve_location(location, name, self._timeout)
+            endpoints, schema = _resolve_location(location, name, self._timeout, self._token)
         else:
             raise DissocError(
                 'the dissoc data source needs .option("location", "grpc://HOST:PORT") with .load(NAME), or '
@@ -194,6 +200,7 @@ class DissocDataSource(DataSource):
             schema,
             timeout=self._timeout,
             validate=_truthy(self._option("validate"), True),
+            token=self._token,
         )
 
     # -- writing
@@ -208,7 +215,8 @@ class DissocDataSource(DataSource):
             )
         name = self._dataset_name() or DEFAULT_WRITE_NAME
         target = arrow_target(schema)
-        found = describe_manifest(location, name, timeout=self._timeout)  # fails if `name` is a plain dataset
+        # fails if `name` is a plain dataset
+        found = describe_manifest(location, name, timeout=self._timeout, token=self._token)
         if found is not None and not overwrite:
             old_schema = manifest_data_schema(found)
             if not old_schema.equals(target):
@@ -226,35 +234,54 @@ class DissocDataSource(DataSource):
             overwrite=overwrite,
             timeout=self._timeout,
             cleanup_grace=self._seconds("cleanupGrace", DEFAULT_CLEANUP_GRACE),
+            token=self._token,
         )
 
 
-def _resolve_location(location: str, name: str, timeout: float) -> tuple[list[Endpoint], pa.Schema]:
-    """Endpoints and schema of ``name`` at a Flight control plane; a write's manifest lists its partitions."""
+def _resolve_location(
+    location: str, name: str, timeout: float, token: str | None = None
+) -> tuple[list[Endpoint], pa.Schema]:
+    """Endpoints and schema of ``name`` at a Flight control plane; a write's manifest lists its partitions.
+
+    With a ``token`` (a control plane with a secret), each listed partition is described too, for the
+    signed ticket the control plane makes for it (the manifest holds plain names)."""
     from dissoc import flight
 
-    info = flight.describe(location, name, timeout=timeout)
+    info = flight.describe(location, name, timeout=timeout, token=token)
     if not is_manifest(info.schema):
         if not info.endpoints:
             raise DissocError(f"{name!r} at {location}: the control plane lists no endpoints")
         return list(info.endpoints), info.schema
     from dissoc.client import ClientOptions, fetch
 
-    parts = decode_manifest(fetch(location, name, options=ClientOptions(flight_timeout=timeout)))
+    options = ClientOptions(flight_timeout=timeout, token=token)
+    parts = decode_manifest(fetch(location, name, options=options))
     schema = manifest_data_schema(info.schema)
-    return [(p.uri, p.data_uri, p.ticket.encode("utf-8")) for p in parts], schema  # may be none: no rows
+    if token is None:
+        return [(p.uri, p.data_uri, p.ticket.encode("utf-8")) for p in parts], schema  # may be none: no rows
+    endpoints: list[Endpoint] = []
+    for p in parts:
+        endpoints.extend(flight.resolve(location, p.ticket, timeout=timeout, token=token))
+    return endpoints, schema
 
 
 class DissocReader(DataSourceReader):
     """Reads one dissoc stream per partition and yields batches cast to Spark's exact Arrow schema."""
 
     def __init__(
-        self, endpoints: Sequence[Endpoint], schema: StructType, *, timeout: float, validate: bool
+        self,
+        endpoints: Sequence[Endpoint],
+        schema: StructType,
+        *,
+        timeout: float,
+        validate: bool,
+        token: str | None = None,
     ) -> None:
         self.endpoints = list(endpoints)
         self.schema = schema
         self.timeout = timeout
         self.validate = validate
+        self.token = token
 
     def partitions(self) -> Sequence[InputPartition]:
         """One partition per stream (none: PySpark then reads one empty partition)."""
@@ -267,7 +294,7 @@ class DissocReader(DataSourceReader):
         if not isinstance(partition, DissocPartition):  # PySpark's stand-in when there are no streams
             return
         conform = Conformer(arrow_target(self.schema))
-        options = ClientOptions(timeout=self.timeout, validate=self.validate)
+        options = ClientOptions(timeout=self.timeout, validate=self.validate, token=self.token)
         with open_stream(
             partition.uri, partition.ticket, data_uri=partition.data_uri, options=options
         ) as stream:
@@ -286,12 +313,12 @@ class DissocCommitMessage(WriterCommitMessage):
         self.part = part
 
 
-def _remove_quietly(location: str, ticket: str) -> None:
+def _remove_quietly(location: str, ticket: str, token: str | None = None) -> None:
     """Remove ``ticket`` from the server; an unknown ticket (or an unreachable server) is only logged."""
     from dissoc import flight
 
     try:
-        flight.remove(location, ticket)
+        flight.remove(location, ticket, token=token)
         log.info("removed %r at %s", ticket, location)
     except RemoteError as e:
         if e.code != "unknown_ticket":
@@ -300,10 +327,10 @@ def _remove_quietly(location: str, ticket: str) -> None:
         log.warning("could not remove %r at %s: %s", ticket, location, e)
 
 
-def _served_with_prefix(location: str, prefix: str) -> list[str]:
+def _served_with_prefix(location: str, prefix: str, token: str | None = None) -> list[str]:
     from dissoc import flight
 
-    return [info.name for info in flight.list_datasets(location) if info.name.startswith(prefix)]
+    return [info.name for info in flight.list_datasets(location, token=token) if info.name.startswith(prefix)]
 
 
 class DissocWriter(DataSourceArrowWriter):
@@ -327,6 +354,7 @@ class DissocWriter(DataSourceArrowWriter):
         overwrite: bool,
         timeout: float,
         cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
+        token: str | None = None,
     ) -> None:
         self.location = location
         self.name = name
@@ -335,6 +363,8 @@ class DissocWriter(DataSourceArrowWriter):
         self.overwrite = overwrite
         self.timeout = timeout
         self.cleanup_grace = cleanup_grace
+        #: The bearer token for a control plane with a secret (scope write, for NAME or ``*``).
+        self.token = token
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
         """Publish this task's partition as ``NAME/JOB/PPPPP.A`` and report it (runs in a task)."""
@@ -352,11 +382,14 @@ class DissocWriter(DataSourceArrowWriter):
         batches = [conform(b) for b in iterator]
         table = pa.Table.from_batches(batches, schema=target)
         try:
-            flight.publish(self.location, ticket, table, timeout=None)
-            (uri, data_uri, _), *_ = flight.resolve(self.location, ticket, timeout=self.timeout)
+            flight.publish(self.location, ticket, table, timeout=None, token=self.token)
+            (uri, data_uri, _), *_ = flight.resolve(
+                self.location, ticket, timeout=self.timeout, token=self.token
+            )
             late = self._job_committed()
         except BaseException:
-            _remove_quietly(self.location, ticket)  # the upload may have landed before the failure
+            # the upload may have landed before the failure
+            _remove_quietly(self.location, ticket, self.token)
             raise
         if late:
             log.info(
@@ -364,7 +397,7 @@ class DissocWriter(DataSourceArrowWriter):
                 self.job,
                 ticket,
             )
-            _remove_quietly(self.location, ticket)
+            _remove_quietly(self.location, ticket, self.token)
         else:
             log.info(
                 "published partition %d (attempt %d) as %r: %d rows", partition, attempt, ticket, len(table)
@@ -374,7 +407,7 @@ class DissocWriter(DataSourceArrowWriter):
 
     def _job_committed(self) -> bool:
         """Whether the manifest already lists this job (then this attempt is not part of it)."""
-        schema = describe_manifest(self.location, self.name, timeout=self.timeout)
+        schema = describe_manifest(self.location, self.name, timeout=self.timeout, token=self.token)
         return schema is not None and self.job in manifest_jobs(schema)
 
     def _parts(self, messages: Sequence[WriterCommitMessage | None]) -> list[WrittenPart]:
@@ -382,11 +415,10 @@ class DissocWriter(DataSourceArrowWriter):
 
     def _remove_strays(self, keep: set[str]) -> int:
         """Remove this job's datasets not in ``keep``; how many were removed."""
-        strays = [
-            t for t in _served_with_prefix(self.location, job_prefix(self.name, self.job)) if t not in keep
-        ]
+        prefix = job_prefix(self.name, self.job)
+        strays = [t for t in _served_with_prefix(self.location, prefix, self.token) if t not in keep]
         for ticket in strays:
-            _remove_quietly(self.location, ticket)
+            _remove_quietly(self.location, ticket, self.token)
         return len(strays)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
@@ -395,18 +427,20 @@ class DissocWriter(DataSourceArrowWriter):
 
         parts = sorted(self._parts(messages), key=lambda p: p.partition)
         committed = {p.ticket for p in parts}
-        found = read_manifest(self.location, self.name)
+        found = read_manifest(self.location, self.name, token=self.token)
         old_parts, old_jobs = ([], []) if found is None else (found[0], found[2])
         kept, jobs = ([], []) if self.overwrite else (old_parts, old_jobs)
         manifest = encode_manifest(kept + parts, arrow_target(self.schema), [*jobs, self.job])
-        flight.publish(self.location, self.name, manifest, replace=True, timeout=self.timeout)
+        flight.publish(
+            self.location, self.name, manifest, replace=True, timeout=self.timeout, token=self.token
+        )
         # After the manifest names this job: failed or speculative attempts still served are removed here,
         # and attempts that publish from now on remove themselves.
         strays = self._remove_strays(committed)
         if self.overwrite:
             for p in old_parts:
                 if p.ticket not in committed:
-                    _remove_quietly(self.location, p.ticket)
+                    _remove_quietly(self.location, p.ticket, self.token)
         log.info(
             "dissoc write job %s committed %d partition(s) under %r (%d stray attempt(s) removed)",
             self.job,
@@ -421,7 +455,7 @@ class DissocWriter(DataSourceArrowWriter):
 
         removed = 0
         for ticket in sorted({p.ticket for p in self._parts(messages)}):
-            _remove_quietly(self.location, ticket)
+            _remove_quietly(self.location, ticket, self.token)
             removed += 1
         try:
             removed += self._remove_strays(set())
