@@ -31,7 +31,10 @@ Nanoseconds are truncated to microseconds. Unions, month-day-nano intervals and 
 digits are refused with a :class:`SparkTypeError`. Options: ``timeout`` (seconds of silence tolerated,
 default 30), ``validate`` (``false`` skips the decoder's content checks, for trusted servers), ``token`` (a
 signed ticket, :mod:`dissoc.tokens`, for servers started with a secret: the control plane's bearer token,
-and in place of listed endpoints' names; writing needs one of scope ``write``).
+and in place of listed endpoints' names; writing needs one of scope ``write``), ``tls_ca`` / ``tls_cert`` /
+``tls_key`` (PEM files on every executor, for ``tls://`` servers and ``grpc+tls://`` control planes: the CA
+bundle, and the client certificate for servers that require one; :class:`Access` holds the same for
+:func:`written` and :func:`last_write`).
 
 **Writing** — each task publishes its partition to a running ``dissoc serve --flight`` through Flight DoPut::
 
@@ -87,7 +90,7 @@ import pyarrow as pa
 
 from dissoc.errors import DissocError
 from dissoc.spark._errors import SparkTypeError
-from dissoc.spark._manifest import WrittenPart, last_write, written
+from dissoc.spark._manifest import Access, WrittenPart, last_write, written
 
 if TYPE_CHECKING:
     import numpy as np
@@ -104,6 +107,7 @@ __all__ = [
     "conform",
     "exchange",
     "hash_partition",
+    "Access",
     "last_write",
     "register",
     "spark_schema",

@@ -21,10 +21,14 @@ import base64
 import json
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from dissoc.errors import DissocError, RemoteError
+
+if TYPE_CHECKING:
+    from dissoc.client import ClientOptions
 
 __all__ = [
     "MANIFEST_KEY",
@@ -139,19 +143,51 @@ def decode_manifest(table: pa.Table) -> list[WrittenPart]:
     return [WrittenPart(**row) for row in rows]
 
 
+@dataclass(frozen=True)
+class Access:
+    """How the data source reaches servers that guard themselves: the bearer token (a signed ticket,
+    :mod:`dissoc.tokens`) and the TLS files (PEM paths on every executor: the CA bundle, and this client's
+    certificate and key for servers that require one). Sent to the executors with the reader and writer."""
+
+    token: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    def flight(self) -> dict[str, Any]:
+        """Keyword arguments for the :mod:`dissoc.flight` calls."""
+        return {
+            "token": self.token,
+            "tls_ca": self.tls_ca,
+            "tls_cert": self.tls_cert,
+            "tls_key": self.tls_key,
+        }
+
+    def options(self, **limits: Any) -> ClientOptions:
+        """:class:`dissoc.client.ClientOptions` with these credentials and ``limits``."""
+        from dissoc.client import ClientOptions
+
+        return ClientOptions(
+            token=self.token, tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key, **limits
+        )
+
+
+#: No token, no TLS files (plain servers, or TLS with the system's roots).
+PLAIN = Access()
+
+
 def describe_manifest(
-    location: str, name: str, *, timeout: float | None = None, token: str | None = None
+    location: str, name: str, *, timeout: float | None = None, access: Access = PLAIN
 ) -> pa.Schema | None:
     """The schema of the manifest served as ``name`` (its metadata says the rest); None when nothing is.
 
-    Raises DissocError when ``name`` is served but is not a manifest. ``token``: the bearer token for a
-    control plane with a secret (:mod:`dissoc.tokens`).
+    Raises DissocError when ``name`` is served but is not a manifest.
     """
     from dissoc import flight
 
     try:
         wait = flight.DEFAULT_TIMEOUT if timeout is None else timeout
-        info = flight.describe(location, name, timeout=wait, token=token)
+        info = flight.describe(location, name, timeout=wait, **access.flight())
     except RemoteError as e:
         if e.code == "unknown_ticket":
             return None
@@ -165,35 +201,35 @@ def describe_manifest(
 
 
 def read_manifest(
-    location: str, name: str, *, token: str | None = None
+    location: str, name: str, *, access: Access = PLAIN
 ) -> tuple[list[WrittenPart], pa.Schema, list[str]] | None:
     """``(parts, data schema, jobs)`` of the manifest served as ``name``; None when nothing is served.
 
     Raises DissocError when ``name`` is served but is not a manifest.
     """
-    from dissoc.client import ClientOptions, fetch
+    from dissoc.client import fetch
 
-    schema = describe_manifest(location, name, token=token)
+    schema = describe_manifest(location, name, access=access)
     if schema is None:
         return None
-    table = fetch(location, name, options=ClientOptions(token=token))
+    table = fetch(location, name, options=access.options())
     return decode_manifest(table), manifest_data_schema(schema), manifest_jobs(schema)
 
 
-def written(location: str, name: str, *, token: str | None = None) -> list[WrittenPart]:
+def written(location: str, name: str, *, access: Access = PLAIN) -> list[WrittenPart]:
     """Every committed partition written under ``name`` at the Flight control plane ``location``.
 
     In commit order (jobs in the order they committed, partitions in partition order); empty when nothing
-    was written under ``name``.
+    was written under ``name``. ``access``: the token and TLS files for a guarded control plane.
     """
-    found = read_manifest(location, name, token=token)
+    found = read_manifest(location, name, access=access)
     return [] if found is None else found[0]
 
 
-def last_write(location: str, name: str, *, token: str | None = None) -> list[WrittenPart]:
-    """The committed partitions of the most recent job written under ``name`` (empty if none). ``token``:
-    the bearer token for a control plane with a secret."""
-    parts = written(location, name, token=token)
+def last_write(location: str, name: str, *, access: Access = PLAIN) -> list[WrittenPart]:
+    """The committed partitions of the most recent job written under ``name`` (empty if none). ``access``:
+    the token and TLS files for a guarded control plane."""
+    parts = written(location, name, access=access)
     if not parts:
         return []
     job = parts[-1].job

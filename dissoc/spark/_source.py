@@ -30,6 +30,8 @@ from pyspark.sql.types import StructType
 
 from dissoc.errors import DissocError, RemoteError
 from dissoc.spark._manifest import (
+    PLAIN,
+    Access,
     WrittenPart,
     decode_manifest,
     describe_manifest,
@@ -99,12 +101,12 @@ def parse_endpoints(text: str) -> list[Endpoint]:
     return endpoints
 
 
-def _stream_schema(endpoint: Endpoint, timeout: float, token: str | None = None) -> pa.Schema:
+def _stream_schema(endpoint: Endpoint, timeout: float, access: Access = PLAIN) -> pa.Schema:
     """The schema of one stream: open it, read the schema message, hang up."""
-    from dissoc.client import ClientOptions, open_stream
+    from dissoc.client import open_stream
 
     uri, data_uri, ticket = endpoint
-    options = ClientOptions(timeout=timeout, token=token)
+    options = access.options(timeout=timeout)
     with open_stream(uri, ticket, data_uri=data_uri, options=options) as reader:
         return reader.schema
 
@@ -156,9 +158,15 @@ class DissocDataSource(DataSource):
         return self._option("path") or self._option("name")
 
     @property
-    def _token(self) -> str | None:
-        """The ``token`` option: a signed ticket (:mod:`dissoc.tokens`) for servers with a secret."""
-        return self._option("token") or None
+    def _access(self) -> Access:
+        """The ``token`` option (a signed ticket, :mod:`dissoc.tokens`, for servers with a secret) and the
+        ``tls_ca`` / ``tls_cert`` / ``tls_key`` options (PEM files, for ``tls://`` and ``grpc+tls://``)."""
+        return Access(
+            token=self._option("token") or None,
+            tls_ca=self._option("tls_ca") or None,
+            tls_cert=self._option("tls_cert") or None,
+            tls_key=self._option("tls_key") or None,
+        )
 
     # -- reading
 
@@ -170,14 +178,14 @@ class DissocDataSource(DataSource):
         location = self._option("location")
         if listed is not None:
             endpoints = parse_endpoints(listed)
-            schema = _stream_schema(endpoints[0], self._timeout, self._token)
+            schema = _stream_schema(endpoints[0], self._timeout, self._access)
         elif location is not None:
             name = self._dataset_name()
             if not name:
                 raise DissocError(
                     'reading from a Flight location needs a dataset name: .option("location", ...).load(NAME)'
                 )
-            endpoints, schema = _resolve_location(location, name, self._timeout, self._token)
+            endpoints, schema = _resolve_location(location, name, self._timeout, self._access)
         else:
             raise DissocError(
                 'the dissoc data source needs .option("location", "grpc://HOST:PORT") with .load(NAME), or '
@@ -200,7 +208,7 @@ class DissocDataSource(DataSource):
             schema,
             timeout=self._timeout,
             validate=_truthy(self._option("validate"), True),
-            token=self._token,
+            access=self._access,
         )
 
     # -- writing
@@ -216,7 +224,7 @@ class DissocDataSource(DataSource):
         name = self._dataset_name() or DEFAULT_WRITE_NAME
         target = arrow_target(schema)
         # fails if `name` is a plain dataset
-        found = describe_manifest(location, name, timeout=self._timeout, token=self._token)
+        found = describe_manifest(location, name, timeout=self._timeout, access=self._access)
         if found is not None and not overwrite:
             old_schema = manifest_data_schema(found)
             if not old_schema.equals(target):
@@ -234,34 +242,34 @@ class DissocDataSource(DataSource):
             overwrite=overwrite,
             timeout=self._timeout,
             cleanup_grace=self._seconds("cleanupGrace", DEFAULT_CLEANUP_GRACE),
-            token=self._token,
+            access=self._access,
         )
 
 
 def _resolve_location(
-    location: str, name: str, timeout: float, token: str | None = None
+    location: str, name: str, timeout: float, access: Access = PLAIN
 ) -> tuple[list[Endpoint], pa.Schema]:
     """Endpoints and schema of ``name`` at a Flight control plane; a write's manifest lists its partitions.
 
-    With a ``token`` (a control plane with a secret), each listed partition is described too, for the
-    signed ticket the control plane makes for it (the manifest holds plain names)."""
+    With a token (a control plane with a secret), each listed partition is described too, for the signed
+    ticket the control plane makes for it (the manifest holds plain names)."""
     from dissoc import flight
 
-    info = flight.describe(location, name, timeout=timeout, token=token)
+    info = flight.describe(location, name, timeout=timeout, **access.flight())
     if not is_manifest(info.schema):
         if not info.endpoints:
             raise DissocError(f"{name!r} at {location}: the control plane lists no endpoints")
         return list(info.endpoints), info.schema
-    from dissoc.client import ClientOptions, fetch
+    from dissoc.client import fetch
 
-    options = ClientOptions(flight_timeout=timeout, token=token)
+    options = access.options(flight_timeout=timeout)
     parts = decode_manifest(fetch(location, name, options=options))
     schema = manifest_data_schema(info.schema)
-    if token is None:
+    if access.token is None:
         return [(p.uri, p.data_uri, p.ticket.encode("utf-8")) for p in parts], schema  # may be none: no rows
     endpoints: list[Endpoint] = []
     for p in parts:
-        endpoints.extend(flight.resolve(location, p.ticket, timeout=timeout, token=token))
+        endpoints.extend(flight.resolve(location, p.ticket, timeout=timeout, **access.flight()))
     return endpoints, schema
 
 
@@ -275,13 +283,13 @@ class DissocReader(DataSourceReader):
         *,
         timeout: float,
         validate: bool,
-        token: str | None = None,
+        access: Access = PLAIN,
     ) -> None:
         self.endpoints = list(endpoints)
         self.schema = schema
         self.timeout = timeout
         self.validate = validate
-        self.token = token
+        self.access = access
 
     def partitions(self) -> Sequence[InputPartition]:
         """One partition per stream (none: PySpark then reads one empty partition)."""
@@ -289,12 +297,12 @@ class DissocReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         """The stream's batches, each cast to exactly the Arrow schema Spark expects (runs in a task)."""
-        from dissoc.client import ClientOptions, open_stream
+        from dissoc.client import open_stream
 
         if not isinstance(partition, DissocPartition):  # PySpark's stand-in when there are no streams
             return
         conform = Conformer(arrow_target(self.schema))
-        options = ClientOptions(timeout=self.timeout, validate=self.validate, token=self.token)
+        options = self.access.options(timeout=self.timeout, validate=self.validate)
         with open_stream(
             partition.uri, partition.ticket, data_uri=partition.data_uri, options=options
         ) as stream:
@@ -313,12 +321,12 @@ class DissocCommitMessage(WriterCommitMessage):
         self.part = part
 
 
-def _remove_quietly(location: str, ticket: str, token: str | None = None) -> None:
+def _remove_quietly(location: str, ticket: str, access: Access = PLAIN) -> None:
     """Remove ``ticket`` from the server; an unknown ticket (or an unreachable server) is only logged."""
     from dissoc import flight
 
     try:
-        flight.remove(location, ticket, token=token)
+        flight.remove(location, ticket, **access.flight())
         log.info("removed %r at %s", ticket, location)
     except RemoteError as e:
         if e.code != "unknown_ticket":
@@ -327,10 +335,11 @@ def _remove_quietly(location: str, ticket: str, token: str | None = None) -> Non
         log.warning("could not remove %r at %s: %s", ticket, location, e)
 
 
-def _served_with_prefix(location: str, prefix: str, token: str | None = None) -> list[str]:
+def _served_with_prefix(location: str, prefix: str, access: Access = PLAIN) -> list[str]:
     from dissoc import flight
 
-    return [info.name for info in flight.list_datasets(location, token=token) if info.name.startswith(prefix)]
+    listed = flight.list_datasets(location, **access.flight())
+    return [info.name for info in listed if info.name.startswith(prefix)]
 
 
 class DissocWriter(DataSourceArrowWriter):
@@ -354,7 +363,7 @@ class DissocWriter(DataSourceArrowWriter):
         overwrite: bool,
         timeout: float,
         cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
-        token: str | None = None,
+        access: Access = PLAIN,
     ) -> None:
         self.location = location
         self.name = name
@@ -363,8 +372,8 @@ class DissocWriter(DataSourceArrowWriter):
         self.overwrite = overwrite
         self.timeout = timeout
         self.cleanup_grace = cleanup_grace
-        #: The bearer token for a control plane with a secret (scope write, for NAME or ``*``).
-        self.token = token
+        #: The token (scope write, for NAME or ``*``, for a control plane with a secret) and TLS files.
+        self.access = access
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
         """Publish this task's partition as ``NAME/JOB/PPPPP.A`` and report it (runs in a task)."""
@@ -382,14 +391,14 @@ class DissocWriter(DataSourceArrowWriter):
         batches = [conform(b) for b in iterator]
         table = pa.Table.from_batches(batches, schema=target)
         try:
-            flight.publish(self.location, ticket, table, timeout=None, token=self.token)
+            flight.publish(self.location, ticket, table, timeout=None, **self.access.flight())
             (uri, data_uri, _), *_ = flight.resolve(
-                self.location, ticket, timeout=self.timeout, token=self.token
+                self.location, ticket, timeout=self.timeout, **self.access.flight()
             )
             late = self._job_committed()
         except BaseException:
             # the upload may have landed before the failure
-            _remove_quietly(self.location, ticket, self.token)
+            _remove_quietly(self.location, ticket, self.access)
             raise
         if late:
             log.info(
@@ -397,7 +406,7 @@ class DissocWriter(DataSourceArrowWriter):
                 self.job,
                 ticket,
             )
-            _remove_quietly(self.location, ticket, self.token)
+            _remove_quietly(self.location, ticket, self.access)
         else:
             log.info(
                 "published partition %d (attempt %d) as %r: %d rows", partition, attempt, ticket, len(table)
@@ -407,7 +416,7 @@ class DissocWriter(DataSourceArrowWriter):
 
     def _job_committed(self) -> bool:
         """Whether the manifest already lists this job (then this attempt is not part of it)."""
-        schema = describe_manifest(self.location, self.name, timeout=self.timeout, token=self.token)
+        schema = describe_manifest(self.location, self.name, timeout=self.timeout, access=self.access)
         return schema is not None and self.job in manifest_jobs(schema)
 
     def _parts(self, messages: Sequence[WriterCommitMessage | None]) -> list[WrittenPart]:
@@ -416,9 +425,9 @@ class DissocWriter(DataSourceArrowWriter):
     def _remove_strays(self, keep: set[str]) -> int:
         """Remove this job's datasets not in ``keep``; how many were removed."""
         prefix = job_prefix(self.name, self.job)
-        strays = [t for t in _served_with_prefix(self.location, prefix, self.token) if t not in keep]
+        strays = [t for t in _served_with_prefix(self.location, prefix, self.access) if t not in keep]
         for ticket in strays:
-            _remove_quietly(self.location, ticket, self.token)
+            _remove_quietly(self.location, ticket, self.access)
         return len(strays)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
@@ -427,12 +436,12 @@ class DissocWriter(DataSourceArrowWriter):
 
         parts = sorted(self._parts(messages), key=lambda p: p.partition)
         committed = {p.ticket for p in parts}
-        found = read_manifest(self.location, self.name, token=self.token)
+        found = read_manifest(self.location, self.name, access=self.access)
         old_parts, old_jobs = ([], []) if found is None else (found[0], found[2])
         kept, jobs = ([], []) if self.overwrite else (old_parts, old_jobs)
         manifest = encode_manifest(kept + parts, arrow_target(self.schema), [*jobs, self.job])
         flight.publish(
-            self.location, self.name, manifest, replace=True, timeout=self.timeout, token=self.token
+            self.location, self.name, manifest, replace=True, timeout=self.timeout, **self.access.flight()
         )
         # After the manifest names this job: failed or speculative attempts still served are removed here,
         # and attempts that publish from now on remove themselves.
@@ -440,7 +449,7 @@ class DissocWriter(DataSourceArrowWriter):
         if self.overwrite:
             for p in old_parts:
                 if p.ticket not in committed:
-                    _remove_quietly(self.location, p.ticket, self.token)
+                    _remove_quietly(self.location, p.ticket, self.access)
         log.info(
             "dissoc write job %s committed %d partition(s) under %r (%d stray attempt(s) removed)",
             self.job,
@@ -455,7 +464,7 @@ class DissocWriter(DataSourceArrowWriter):
 
         removed = 0
         for ticket in sorted({p.ticket for p in self._parts(messages)}):
-            _remove_quietly(self.location, ticket, self.token)
+            _remove_quietly(self.location, ticket, self.access)
             removed += 1
         try:
             removed += self._remove_strays(set())
