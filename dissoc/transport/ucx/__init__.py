@@ -6,22 +6,23 @@ stream) are UCX active messages, id 0 (sent with ucxx's AM API, which prepends i
 by :mod:`~dissoc.transport.ucx.am` through libucp, which ignores any header).
 
 **One worker per connection.** A UCX tag receive does not say which endpoint sent the message, so a server
-whose connections shared one worker could not tell its clients' want_data/free_data apart. ucxx's Python API
-can only create an accepted endpoint on the *listener's* worker, so connections are set up in two steps:
+whose connections shared one worker could not tell its clients' want_data/free_data apart. Connections are
+accepted on a worker of their own, on two paths:
 
-1. the client creates its own worker and connects a *bootstrap* endpoint to ``host:port`` (the listener, over
-   TCP, with UCX peer-failure handling on); it sends ``MAGIC + its worker address`` as an active message;
-2. the server creates a fresh worker for the connection, an endpoint from it to the client's worker address,
-   and answers ``MAGIC + its own worker address``; the client connects its worker to that address.
+* the *listener path* (``host:port``, any host, any peer that follows the reference mapping): the listener is
+  libucp's (:mod:`~dissoc.transport.ucx.libucp`), and each connection request is accepted on a fresh worker
+  (:class:`~dissoc.transport.ucx.endpoint.RawEndpoint`); the client's one endpoint carries everything from its
+  first message on (want_data), with UCX peer-failure handling on (such a connection uses TCP anyway);
+* the *same-host path* (the URI's ``worker``, the listener worker's address): the client sends
+  ``MAGIC + its worker address`` tagged ``HELLO_TAG`` to the listener worker; the server creates a fresh
+  worker, an endpoint from it to the client's worker, and a monitor endpoint (peer-failure handling on) from
+  the listener worker, and answers ``MAGIC + the fresh worker's address`` tagged ``REPLY_TAG``; the client
+  connects its worker to that address. The data endpoints have peer-failure handling off by default (with it
+  on, UCX drops the shared-memory transports: ~0.7 GB/s here); the monitor reports the peer's death. Pass
+  ``error_handling=True`` to both ends to keep peer-failure handling on the data endpoints too.
 
-Every data message then flows between the two per-connection workers (each has exactly one peer), over the
-best transport UCX finds for worker-address endpoints (shared memory on one host, ~5 GB/s here; a listener
-endpoint is restricted to TCP). The data endpoints have peer-failure handling off by default (with it on, UCX
-drops the shared-memory transports: ~0.7 GB/s here); the bootstrap endpoint stays open as the liveness
-monitor: when the peer closes or dies, UCX reports it there, and the connection drains what already arrived
-on its data worker, then fails with :class:`~dissoc.errors.TransportError`. Pass ``error_handling=True`` to
-both ends to keep peer-failure handling on the data endpoints too. A peer that is not a dissoc ``ucx``
-endpoint (for instance the reference C++ client, which uses the listener endpoint for data) is not supported.
+When the peer closes or dies the connection drains what already arrived, then fails with
+:class:`~dissoc.errors.TransportError`.
 
 **Receiving.** A tagged message is received by probe: for each waiting ``recv_tagged(tag, mask)`` (oldest
 first) the worker is probed with ``UCXXTag(tag)``/``UCXXTagMask(mask)``; the probe gives the message's tag and
@@ -55,6 +56,7 @@ instead (``UCX_*`` variables the user set still win).
 **Modules.** :mod:`~dissoc.transport.ucx.library` (ucxx, loaded lazily, and the UCX context),
 :mod:`~dissoc.transport.ucx.libucp` (libucp's C API through ctypes),
 :mod:`~dissoc.transport.ucx.am` (receiving active messages),
+:mod:`~dissoc.transport.ucx.endpoint` (endpoints of accepted connections),
 :mod:`~dissoc.transport.ucx.driver` (progress), :mod:`~dissoc.transport.ucx.handshake` (its constants and
 messages), :mod:`~dissoc.transport.ucx.connection` (:class:`UcxConnection`, :func:`connect_ucx`) and
 :mod:`~dissoc.transport.ucx.listener` (:class:`UcxListener`, :func:`serve_ucx`).

@@ -31,6 +31,7 @@ from dissoc.transport.base import (
 )
 from dissoc.transport.ucx.am import AmReceiver
 from dissoc.transport.ucx.driver import MAX_ROUNDS, Driver, Pending
+from dissoc.transport.ucx.endpoint import flush
 from dissoc.transport.ucx.handshake import (
     BYE_TAG,
     HELLO_TAG,
@@ -40,7 +41,6 @@ from dissoc.transport.ucx.handshake import (
     parse_hello,
     plausible_address,
     recv_tagged,
-    send_am,
     send_tagged,
 )
 from dissoc.transport.ucx.library import (
@@ -483,7 +483,8 @@ class UcxConnection(Connection):
     def _close_endpoints(self) -> list[Any]:
         """Start closing both endpoints; returns ucxx's close requests."""
         closing: list[Any] = []
-        for endpoint in (self._ep, self._bootstrap):
+        endpoints = [self._ep] if self._bootstrap is self._ep else [self._ep, self._bootstrap]
+        for endpoint in endpoints:
             if endpoint_alive(endpoint):
                 with contextlib.suppress(Exception):
                     request = endpoint.close()
@@ -631,14 +632,26 @@ async def connect_ucx(
                 reply = await recv_tagged(driver, REPLY_TAG, f"connecting to {where}")
                 server_address = parse_hello(reply, description)
             else:
+                # The listener path, as the reference mapping has it: the server accepts the connection on a
+                # worker of its own, and everything travels on this one endpoint (no handshake).
                 try:
                     bootstrap = lib.UCXEndpoint.create(client_worker, address, port, True)
+                    # Connected (or refused) once a flush completes: report a failure here, not at the first
+                    # receive.
+                    request = flush(int(bootstrap.handle), f"connecting to {where}")
                 except Exception as exc:
                     raise TransportError(f"cannot connect to {where}: {exc}") from exc
-                reply_request = bootstrap.am_recv()
-                await send_am(driver, bootstrap, hello, f"connecting to {where}")
-                await driver.wait(reply_request, None, f"connecting to {where}")
-                server_address = parse_hello(reply_request.recv_buffer, description)
+                await driver.wait(request, None, f"connecting to {where}")
+                return UcxConnection(
+                    driver,
+                    bootstrap,
+                    bootstrap,
+                    driver,
+                    description=description,
+                    max_message_bytes=max_message_bytes,
+                    max_buffered_bytes=max_buffered_bytes,
+                    allocator=allocator,
+                )
             try:
                 endpoint = client_worker.create_endpoint_from_worker_address(
                     lib.UCXAddress.create_from_buffer(server_address), error_handling

@@ -25,6 +25,11 @@ from dissoc.errors import TransportError
 
 __all__ = [
     "AM_RECV_CALLBACK",
+    "CONN_CALLBACK",
+    "ERR_CALLBACK",
+    "UcpConnRequestAttr",
+    "UcpListenerAttr",
+    "UcpListenerParams",
     "UcpAmHandlerParam",
     "UcpAmRecvParam",
     "UcpEpParams",
@@ -89,6 +94,17 @@ UCP_MEM_MAP_PROT_REMOTE_WRITE = 1 << 9
 UCP_OP_ATTR_FIELD_REQUEST = 1 << 0
 UCP_OP_ATTR_FIELD_CALLBACK = 1 << 1
 UCP_OP_ATTR_FIELD_FLAGS = 1 << 4
+
+# ucp_ep_params_field (more), ucp_err_handling_mode_t, ucp_listener_params_field, ucp_listener_attr_field,
+# ucp_conn_request_attr_field, ucp_send_am_flags
+UCP_EP_PARAM_FIELD_ERR_HANDLER = 1 << 2
+UCP_EP_PARAM_FIELD_CONN_REQUEST = 1 << 6
+UCP_ERR_HANDLING_MODE_PEER = 1
+UCP_LISTENER_PARAM_FIELD_SOCK_ADDR = 1 << 0
+UCP_LISTENER_PARAM_FIELD_CONN_HANDLER = 1 << 2
+UCP_LISTENER_ATTR_FIELD_SOCKADDR = 1 << 0
+UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR = 1 << 0
+UCP_AM_SEND_FLAG_REPLY = 1 << 0
 
 # ucp_am_handler_param_field / ucp_am_cb_flags / ucp_am_recv_attr_t
 UCP_AM_HANDLER_PARAM_FIELD_ID = 1 << 0
@@ -216,6 +232,47 @@ class UcpAmRecvParam(ctypes.Structure):
     _fields_ = (("recv_attr", ctypes.c_uint64), ("reply_ep", ctypes.c_void_p))
 
 
+#: ``ucp_listener_conn_callback_t``: (conn_request, arg).
+CONN_CALLBACK = ctypes.CFUNCTYPE(None, _vp, _vp)
+#: ``ucp_err_handler_cb_t``: (arg, ep, status).
+ERR_CALLBACK = ctypes.CFUNCTYPE(None, _vp, _vp, _status_t)
+#: ``struct sockaddr_storage`` (128 bytes): family (u16), then the address of that family.
+SOCKADDR_STORAGE = ctypes.c_uint8 * 128
+
+
+class UcpListenerConnHandler(ctypes.Structure):
+    """``ucp_listener_conn_handler_t``."""
+
+    _fields_ = (("cb", CONN_CALLBACK), ("arg", ctypes.c_void_p))
+
+
+class UcpListenerParams(ctypes.Structure):
+    """``ucp_listener_params_t``."""
+
+    _fields_ = (
+        ("field_mask", ctypes.c_uint64),
+        ("sockaddr", UcsSockAddr),
+        ("accept_handler", ctypes.c_void_p * 2),  # ucp_listener_accept_handler_t (cb, arg): unused
+        ("conn_handler", UcpListenerConnHandler),
+    )
+
+
+class UcpListenerAttr(ctypes.Structure):
+    """``ucp_listener_attr_t``."""
+
+    _fields_ = (("field_mask", ctypes.c_uint64), ("sockaddr", SOCKADDR_STORAGE))
+
+
+class UcpConnRequestAttr(ctypes.Structure):
+    """``ucp_conn_request_attr_t``."""
+
+    _fields_ = (
+        ("field_mask", ctypes.c_uint64),
+        ("client_address", SOCKADDR_STORAGE),
+        ("client_id", ctypes.c_uint64),
+    )
+
+
 #: ``ucp_am_recv_callback_t``: (arg, header, header_length, data, length, param) -> ucs_status_t.
 AM_RECV_CALLBACK = ctypes.CFUNCTYPE(
     _status_t, _vp, _vp, ctypes.c_size_t, _vp, ctypes.c_size_t, _P(UcpAmRecvParam)
@@ -248,6 +305,7 @@ _UCP_FUNCS: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "ucp_worker_progress": (ctypes.c_uint, (_vp,)),
     "ucp_ep_create": (_status_t, (_vp, _P(UcpEpParams), _P(_vp))),
     "ucp_ep_close_nbx": (_vp, (_vp, _P(UcpRequestParam))),
+    "ucp_ep_flush_nbx": (_vp, (_vp, _P(UcpRequestParam))),
     "ucp_mem_map": (_status_t, (_vp, _P(UcpMemMapParams), _P(_vp))),
     "ucp_mem_unmap": (_status_t, (_vp, _vp)),
     "ucp_rkey_pack": (_status_t, (_vp, _vp, _P(_vp), _P(ctypes.c_size_t))),
@@ -259,6 +317,16 @@ _UCP_FUNCS: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "ucp_request_cancel": (None, (_vp, _vp)),
     "ucp_request_free": (None, (_vp,)),
     "ucp_worker_set_am_recv_handler": (_status_t, (_vp, _P(UcpAmHandlerParam))),
+    "ucp_listener_create": (_status_t, (_vp, _P(UcpListenerParams), _P(_vp))),
+    "ucp_listener_destroy": (None, (_vp,)),
+    "ucp_listener_query": (_status_t, (_vp, _P(UcpListenerAttr))),
+    "ucp_listener_reject": (_status_t, (_vp, _vp)),
+    "ucp_conn_request_query": (_status_t, (_vp, _P(UcpConnRequestAttr))),
+    "ucp_tag_send_nbx": (_vp, (_vp, _vp, ctypes.c_size_t, ctypes.c_uint64, _P(UcpRequestParam))),
+    "ucp_am_send_nbx": (
+        _vp,
+        (_vp, ctypes.c_uint, _vp, ctypes.c_size_t, _vp, ctypes.c_size_t, _P(UcpRequestParam)),
+    ),
     "ucp_am_recv_data_nbx": (_vp, (_vp, _vp, _vp, ctypes.c_size_t, _P(UcpRequestParam))),
     "ucp_am_data_release": (None, (_vp, _vp)),
 }

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import ctypes
 import itertools
 import logging
+import socket
+import struct
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -22,17 +25,28 @@ from dissoc.transport.base import (
 )
 from dissoc.transport.ucx.connection import UcxConnection
 from dissoc.transport.ucx.driver import Driver
+from dissoc.transport.ucx.endpoint import RawEndpoint
 from dissoc.transport.ucx.handshake import (
     HELLO_TAG,
     MAGIC,
     MAX_HELLO,
     REPLY_TAG,
     parse_hello,
-    recv_am,
-    send_am,
     send_tagged,
 )
 from dissoc.transport.ucx.library import close_endpoint, ucx_array, ucx_context, ucx_mask, ucx_tag, ucxx_lib
+from dissoc.transport.ucx.libucp import (
+    CONN_CALLBACK,
+    UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR,
+    UCP_LISTENER_ATTR_FIELD_SOCKADDR,
+    UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
+    UCP_LISTENER_PARAM_FIELD_SOCK_ADDR,
+    UcpConnRequestAttr,
+    UcpListenerAttr,
+    UcpListenerParams,
+    check,
+    lib,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -51,6 +65,41 @@ class _Limits(TypedDict):
     receive_budget: ReceiveBudget | None
 
 
+#: Live listeners by the id their connection handler is given.
+_LISTENERS: dict[int, UcxListener] = {}
+_IDS = itertools.count(1)
+
+
+def _on_conn_request(conn_request: int | None, arg: int | None) -> None:
+    try:
+        listener = _LISTENERS.get(arg or 0)
+        if listener is not None and conn_request:
+            listener.requested(conn_request)
+    except BaseException:  # never let an exception unwind through UCX
+        logger.exception("taking a UCX connection request failed")
+
+
+_CONN_CALLBACK = CONN_CALLBACK(_on_conn_request)
+
+
+def _sockaddr_in(host: str, port: int) -> ctypes.Array[ctypes.c_char]:
+    """A ``struct sockaddr_in`` for ``host`` (any interface when empty or 0.0.0.0) and ``port``."""
+    address = socket.inet_aton(socket.gethostbyname(host) if host not in ("", "0.0.0.0") else "0.0.0.0")
+    return ctypes.create_string_buffer(
+        struct.pack("=H", socket.AF_INET) + struct.pack("!H", port) + address, 16
+    )
+
+
+def _sockaddr_text(storage: ctypes.Array[ctypes.c_uint8]) -> tuple[str, int]:
+    """(address, port) of a ``struct sockaddr_storage`` holding an IPv4 or IPv6 address."""
+    raw = bytes(storage)
+    family = struct.unpack_from("=H", raw)[0]
+    port = struct.unpack_from("!H", raw, 2)[0]
+    if family == socket.AF_INET6:
+        return socket.inet_ntop(socket.AF_INET6, raw[8:24]), port
+    return socket.inet_ntop(socket.AF_INET, raw[4:8]), port
+
+
 class UcxListener(Listener):
     """A UCX listener; each accepted connection gets its own worker (see the package docstring)."""
 
@@ -66,28 +115,50 @@ class UcxListener(Listener):
         error_handling: bool,
         limits: _Limits,
         max_connections: int | None = None,
+        max_connections_per_peer: int | None = None,
     ) -> None:
-        super().__init__(handler, max_connections=max_connections)
-        lib = ucxx_lib()
+        super().__init__(
+            handler, max_connections=max_connections, max_connections_per_peer=max_connections_per_peer
+        )
+        lib_ucxx = ucxx_lib()
         self._loop = asyncio.get_running_loop()
-        self._lib = lib
+        self._lib = lib_ucxx
         self._limits = limits
         self._handshake_timeout = handshake_timeout
         self._error_handling = error_handling
         self._count = itertools.count(1)
         self._handshakes: set[asyncio.Task[None]] = set()
+        self._requests: list[int] = []
         try:
-            worker = lib.UCXWorker(ucx_context())
+            worker = lib_ucxx.UCXWorker(ucx_context())
         except Exception as exc:
             raise TransportError(f"cannot create a UCX worker: {exc}") from exc
         self._driver = Driver(worker, self._loop, f"ucx listener :{port}")
+        self._id = next(_IDS)
+        params = UcpListenerParams()
+        params.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER
+        sockaddr = _sockaddr_in("", port)
+        params.sockaddr.addr = ctypes.addressof(sockaddr)
+        params.sockaddr.addrlen = len(sockaddr)
+        params.conn_handler.cb = _CONN_CALLBACK
+        params.conn_handler.arg = self._id
+        handle = ctypes.c_void_p()
+        _LISTENERS[self._id] = self
         try:
-            self._listener: Any = lib.UCXListener.create(worker, port, self._on_request, (), None, False)
-        except Exception as exc:
+            check(
+                lib().ucp_listener_create(int(worker.handle), ctypes.byref(params), ctypes.byref(handle)),
+                "listening",
+            )
+            self._listener: int | None = int(handle.value or 0)
+            attr = UcpListenerAttr()
+            attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR
+            check(lib().ucp_listener_query(self._listener, ctypes.byref(attr)), "asking the listener's port")
+        except (TransportError, OSError) as exc:
+            _LISTENERS.pop(self._id, None)
             self._driver.close()
             raise TransportError(f"cannot listen on ucx://{host}:{port}: {exc}") from exc
-        self._port = int(self._listener.port)
-        self._host = host or str(self._listener.ip)
+        self._port = _sockaddr_text(attr.sockaddr)[1]
+        self._host = host or socket.gethostbyname(socket.gethostname())
         self._driver.description = f"ucx listener {self.address}"
         self._worker_address = bytes(worker.address.tobytes())
         self._hellos: list[tuple[Any, bytearray]] = []
@@ -219,52 +290,72 @@ class UcxListener(Listener):
             driver.close()
         return False
 
-    def _on_request(self, conn_request: int, *args: object) -> None:
-        # Called from inside the listener worker's progress.
-        del args
-        if self._closing or self._listener is None:
-            return
-        try:
-            bootstrap = self._listener.create_endpoint_from_conn_request(conn_request, True)
-        except Exception as exc:
-            peer_log.log(
-                logging.WARNING,
-                ("accept", self.address),
-                "accepting a connection on %s failed: %s",
-                self.address,
-                exc,
-            )
-            return
-        limit = self._max_connections
-        if limit is not None and self._open + len(self._handshakes) >= limit:
-            peer_log.log(
-                logging.WARNING,
-                ("full", self.address),
-                "%s: %d connections open or connecting (max_connections); refusing a new one",
-                self.address,
-                self._open + len(self._handshakes),
-            )
-            close_endpoint(bootstrap)
-            return
-        task = self._loop.create_task(self._accept(bootstrap))
-        self._handshakes.add(task)
-        task.add_done_callback(self._handshakes.discard)
+    def requested(self, conn_request: int) -> None:
+        """The connection handler's work (inside the listener worker's progress): accept it soon."""
+        self._requests.append(conn_request)
+        if len(self._requests) == 1:
+            self._loop.call_soon(self._accept_requests)
 
-    async def _accept(self, bootstrap: Any) -> None:
-        """The listener path: the hello and the reply travel on the bootstrap endpoint, the monitor."""
-        description = f"ucx {self.address}<-client#{next(self._count)}"
+    def _reject(self, conn_request: int) -> None:
+        if self._listener is not None:
+            lib().ucp_listener_reject(self._listener, conn_request)
 
-        async def receive() -> Buffer | None:
-            return await recv_am(self._driver, bootstrap, "receiving the handshake")
-
-        async def reply(monitor: Any, data: bytes) -> None:
-            await send_am(self._driver, monitor, data, "answering the handshake")
-
-        if not await self._handshake(description, receive, lambda client: bootstrap, reply):
-            close_endpoint(bootstrap)
+    def _accept_requests(self) -> None:
+        """The listener path: each connection on a worker of its own, from its first message on (no
+        handshake: a peer that follows the reference mapping sends want_data straight away)."""
+        requests, self._requests = self._requests, []
+        for conn_request in requests:
+            if self._closing or self._listener is None:
+                continue  # the listener is destroyed with its pending requests
+            attr = UcpConnRequestAttr()
+            attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR
+            peer = None
+            if lib().ucp_conn_request_query(conn_request, ctypes.byref(attr)) == 0:
+                peer = _sockaddr_text(attr.client_address)[0]
+            limit = self._max_connections
+            busy = self._open + len(self._handshakes)
+            if (limit is not None and busy >= limit) or (peer is not None and self._peer_full(peer)):
+                peer_log.log(
+                    logging.WARNING,
+                    ("full", self.address),
+                    "%s: %d connections open (%s from %s); refusing a new one (max_connections, "
+                    "max_connections_per_peer)",
+                    self.address,
+                    busy,
+                    self._per_peer.get(peer or "", 0),
+                    peer,
+                )
+                self._reject(conn_request)
+                continue
+            description = f"ucx {self.address}<-{peer or '?'}#{next(self._count)}"
+            driver: Driver | None = None
+            try:
+                worker = self._lib.UCXWorker(ucx_context())
+                driver = Driver(worker, self._loop, description)
+                endpoint = RawEndpoint(int(worker.handle), conn_request, description)
+                connection = UcxConnection(
+                    driver, endpoint, endpoint, driver, description=description, **self._limits
+                )
+            except Exception as exc:
+                peer_log.log(
+                    logging.WARNING,
+                    ("accept", self.address),
+                    "accepting a connection on %s failed: %s",
+                    self.address,
+                    exc,
+                )
+                if driver is not None:
+                    driver.close()
+                    self._reject(conn_request)
+                continue
+            logger.debug("accepted %s", description)
+            self._start_handler(connection, peer)
 
     def _stop_accepting(self) -> None:
-        self._listener = None  # dropping ucxx's listener stops listening
+        listener, self._listener = self._listener, None
+        _LISTENERS.pop(self._id, None)
+        if listener is not None:
+            lib().ucp_listener_destroy(listener)
         for task in list(self._handshakes):
             task.cancel()
         logger.debug("stopped listening on %s", self.address)
@@ -297,10 +388,9 @@ async def serve_ucx(
 
     ``error_handling`` turns UCX peer-failure handling on for the data endpoints (slower: no shared memory);
     the peer's disappearance is detected either way (package docstring). At ``max_connections`` (connections
-    open plus handshakes under way) a new one is refused; ucxx does not say where a connection request comes
-    from, so ``max_connections_per_peer`` is accepted and does nothing here.
+    open plus handshakes under way) a new one is refused, and so is one more than ``max_connections_per_peer``
+    from one client address (the listener path; the same-host path's hello does not say where it came from).
     """
-    del max_connections_per_peer
     limits: _Limits = {
         "max_message_bytes": max_message_bytes,
         "max_buffered_bytes": max_buffered_bytes,
@@ -315,4 +405,5 @@ async def serve_ucx(
         error_handling=error_handling,
         limits=limits,
         max_connections=max_connections,
+        max_connections_per_peer=max_connections_per_peer,
     )

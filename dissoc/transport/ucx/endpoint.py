@@ -1,0 +1,213 @@
+"""Endpoints dissoc makes through libucp itself: those of connections accepted on a worker of their own.
+
+ucxx can accept a listener's connection request only on the listener's worker, and a tag receive on a shared
+worker does not say which endpoint sent the message; the reference example answers both by creating a worker
+per connection when it is accepted. :class:`RawEndpoint` is such a connection's endpoint
+(``ucp_ep_create`` with the request, on the new worker), with the small part of ucxx's endpoint interface
+:class:`~dissoc.transport.ucx.connection.UcxConnection` uses: ``tag_send``, ``am_send``, ``close``,
+``alive`` and a close callback. Its requests (:class:`RawRequest`) are polled, like ucxx's.
+
+Active messages carry ucxx's header (host memory, no receiver callback: 14 bytes) and ask for a reply
+endpoint, so that peers receiving with ucxx match them to their endpoint; the reference example's own
+receiver ignores the header.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from dissoc.errors import TransportError
+from dissoc.transport.ucx.am import AM_ID
+from dissoc.transport.ucx.libucp import (
+    ERR_CALLBACK,
+    UCP_AM_SEND_FLAG_REPLY,
+    UCP_EP_CLOSE_FLAG_FORCE,
+    UCP_EP_PARAM_FIELD_CONN_REQUEST,
+    UCP_EP_PARAM_FIELD_ERR_HANDLER,
+    UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+    UCP_ERR_HANDLING_MODE_PEER,
+    UCP_OP_ATTR_FIELD_FLAGS,
+    UCS_INPROGRESS,
+    UCS_OK,
+    UcpEpParams,
+    UcpRequestParam,
+    check,
+    lib,
+    ptr_is_err,
+    ptr_is_ptr,
+    ptr_status,
+    status_string,
+)
+
+__all__ = ["UCXX_AM_HEADER", "RawEndpoint", "RawRequest", "flush"]
+
+logger = logging.getLogger(__name__)
+
+#: ucxx's active-message header for host memory: memory type (i32, UCS_MEMORY_TYPE_HOST = 0), no receiver
+#: callback (bool), memory-type policy (u8, fall back to host), user header size (u64, 0).
+UCXX_AM_HEADER = struct.pack("<i?BQ", 0, False, 0, 0)
+_HEADER = ctypes.create_string_buffer(UCXX_AM_HEADER, len(UCXX_AM_HEADER))
+
+#: Live endpoints by the id their error handler is given.
+_ENDPOINTS: dict[int, RawEndpoint] = {}
+_IDS = itertools.count(1)
+
+
+class RawRequest:
+    """A libucp send or close request, polled: ``completed``, then ``check_error()`` (ucxx's interface).
+
+    ``keep`` (the buffer being sent) is held until the request completes.
+    """
+
+    __slots__ = ("_keep", "_ptr", "_status", "_what")
+
+    def __init__(self, ptr: int | None, keep: object, what: str) -> None:
+        self._what = what
+        self._keep: object = keep
+        if ptr_is_err(ptr):
+            self._ptr: int | None = None
+            self._status = ptr_status(ptr)
+        elif ptr_is_ptr(ptr):
+            self._ptr = ptr
+            self._status = UCS_INPROGRESS
+        else:
+            self._ptr = None
+            self._status = UCS_OK
+        if self._status != UCS_INPROGRESS:
+            self._keep = None
+
+    @property
+    def completed(self) -> bool:
+        """Whether UCX has completed the request (it is then freed)."""
+        if self._status == UCS_INPROGRESS and self._ptr is not None:
+            status = int(lib().ucp_request_check_status(self._ptr))
+            if status != UCS_INPROGRESS:
+                lib().ucp_request_free(self._ptr)
+                self._ptr = None
+                self._status = status
+                self._keep = None
+        return self._status != UCS_INPROGRESS
+
+    def check_error(self) -> None:
+        """Raise TransportError when the request failed."""
+        if self._status not in (UCS_OK, UCS_INPROGRESS):
+            raise TransportError(f"{self._what}: {status_string(self._status)}")
+
+
+def _on_error(arg: int | None, ep: int | None, status: int) -> None:
+    del ep
+    try:
+        endpoint = _ENDPOINTS.get(arg or 0)
+        if endpoint is not None:
+            endpoint.failed(int(status))
+    except BaseException:  # never let an exception unwind through UCX
+        logger.exception("handling a UCX endpoint error failed")
+
+
+_ERR_CALLBACK = ERR_CALLBACK(_on_error)
+
+
+class RawEndpoint:
+    """The endpoint of a connection accepted from ``conn_request`` on ``worker`` (a ``ucp_worker_h``),
+    with peer-failure handling on (a listener's connections go over TCP: nothing is lost by it)."""
+
+    def __init__(self, worker: int, conn_request: int, description: str) -> None:
+        self._id = next(_IDS)
+        self._description = description
+        self._status = UCS_INPROGRESS
+        self._closing = False
+        self._close_callback: Callable[..., object] | None = None
+        params = UcpEpParams()
+        params.field_mask = (
+            UCP_EP_PARAM_FIELD_CONN_REQUEST
+            | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+            | UCP_EP_PARAM_FIELD_ERR_HANDLER
+        )
+        params.conn_request = conn_request
+        params.err_mode = UCP_ERR_HANDLING_MODE_PEER
+        params.err_handler.cb = ctypes.cast(_ERR_CALLBACK, ctypes.c_void_p).value
+        params.err_handler.arg = self._id
+        handle = ctypes.c_void_p()
+        _ENDPOINTS[self._id] = self
+        try:
+            check(lib().ucp_ep_create(worker, ctypes.byref(params), ctypes.byref(handle)), "ucp_ep_create")
+        except TransportError:
+            del _ENDPOINTS[self._id]
+            raise
+        self._ep: int | None = int(handle.value or 0)
+
+    @property
+    def alive(self) -> bool:
+        """False once UCX reported the peer's failure or the endpoint was closed."""
+        return self._status == UCS_INPROGRESS and not self._closing
+
+    def failed(self, status: int) -> None:
+        """The error handler's work (inside the worker's progress): note it, tell the close callback."""
+        if self._status != UCS_INPROGRESS:
+            return
+        self._status = status
+        logger.debug("%s: UCX reported %s", self._description, status_string(status))
+        callback, self._close_callback = self._close_callback, None
+        if callback is not None:
+            callback()
+
+    def set_close_callback(self, callback: Callable[..., object]) -> None:
+        """Call ``callback()`` when UCX reports that the peer closed or failed."""
+        self._close_callback = callback
+
+    def remove_close_callback(self) -> None:
+        """Forget the close callback."""
+        self._close_callback = None
+
+    def _param(self, flags: int = 0) -> UcpRequestParam:
+        param = UcpRequestParam()
+        if flags:
+            param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS
+            param.flags = flags
+        return param
+
+    def _usable(self, what: str) -> int:
+        if self._ep is None or self._closing:
+            raise TransportError(f"{self._description}: {what}: the endpoint is closed")
+        if self._status != UCS_INPROGRESS:
+            raise TransportError(f"{self._description}: {what}: {status_string(self._status)}")
+        return self._ep
+
+    def tag_send(self, array: Any, tag: Any) -> RawRequest:
+        """Send ``array`` (ucxx's ``Array``: ``ptr``, ``nbytes``) tagged ``tag`` (ucxx's ``UCXXTag``)."""
+        what = f"sending tagged message {int(tag.value):#018x}"
+        ep = self._usable(what)
+        ptr = lib().ucp_tag_send_nbx(ep, array.ptr, array.nbytes, int(tag.value), ctypes.byref(self._param()))
+        return RawRequest(ptr, array, f"{self._description}: {what}")
+
+    def am_send(self, array: Any) -> RawRequest:
+        """Send ``array`` as an active message (id 0, ucxx's header, reply endpoint asked for)."""
+        what = "sending an active message"
+        ep = self._usable(what)
+        param = self._param(UCP_AM_SEND_FLAG_REPLY)
+        ptr = lib().ucp_am_send_nbx(
+            ep, AM_ID, _HEADER, len(UCXX_AM_HEADER), array.ptr, array.nbytes, ctypes.byref(param)
+        )
+        return RawRequest(ptr, array, f"{self._description}: {what}")
+
+    def close(self) -> RawRequest | None:
+        """Close the endpoint (forcefully: outstanding sends are cancelled); None if already closed."""
+        if self._ep is None or self._closing:
+            return None
+        self._closing = True
+        self._close_callback = None
+        ep, self._ep = self._ep, None
+        _ENDPOINTS.pop(self._id, None)
+        ptr = lib().ucp_ep_close_nbx(ep, ctypes.byref(self._param(UCP_EP_CLOSE_FLAG_FORCE)))
+        return RawRequest(ptr, None, f"{self._description}: closing the endpoint")
+
+
+def flush(ep: int, what: str) -> RawRequest:
+    """Flush endpoint ``ep`` (a ``ucp_ep_h``, e.g. ucxx's ``UCXEndpoint.handle``): the request completes once
+    what was sent has arrived and, on a new client endpoint, once the connection is set up (or failed)."""
+    return RawRequest(lib().ucp_ep_flush_nbx(ep, ctypes.byref(UcpRequestParam())), None, what)
