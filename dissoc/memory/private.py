@@ -96,10 +96,14 @@ class PrivateArenas:
         rma = self._rma
         return 0 if rma is None or rma.closed else len(rma._registrations)
 
+    def arenas(self) -> list[ServedArena]:
+        """The arenas open now (a snapshot)."""
+        with self._lock:
+            return list(self._open)
+
     def names(self) -> list[str]:
         """The segment names of the arenas open now (as under ``/dev/shm``)."""
-        with self._lock:
-            return sorted(a.arena.name for a in self._open)
+        return sorted(a.arena.name for a in self.arenas())
 
     def open(self) -> ServedArena:
         """A new arena of :attr:`capacity` bytes; :class:`ArenasExhausted` when :attr:`limit` are open,
