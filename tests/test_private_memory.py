@@ -18,12 +18,23 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
-from e2e_helpers import PYTHON, REPO, cli_server, eventually, read_lines, within
+from e2e_helpers import PYTHON, REPO, RawServer, cli_server, eventually, read_lines, tagged, untagged, within
 
 from dissoc.client import ClientOptions, fetch, fetch_async, stream_batches
+from dissoc.codec import MessageEncoder
 from dissoc.errors import DissocError, ProtocolError, RemoteError
 from dissoc.memory.shm import SHM_DIR, ShmView
-from dissoc.protocol import ARENA_TAG, ERROR_TAG, decode_arena, encode_arena
+from dissoc.protocol import (
+    ARENA_TAG,
+    BODY_PAIRS,
+    ERROR_TAG,
+    decode_arena,
+    encode_arena,
+    encode_eos,
+    encode_metadata_header,
+    encode_pairs,
+    make_body_tag,
+)
 from dissoc.server import Server
 from dissoc.uri import DissocURI
 
@@ -86,6 +97,40 @@ def test_the_announcement_round_trips_and_refuses_what_is_not_one() -> None:
         encode_arena("cuda", b"h")
     with pytest.raises(ValueError):
         encode_arena("shm", b"")
+
+
+def _raw_stream(*, announce: bytes | None) -> list[bytes]:
+    """A private-arena stream as a raw peer sends it: schema, one batch's metadata, an optional arena
+    announcement, then the batch's pair list."""
+    schema = pa.schema([("v", pa.int64())])
+    encoder = MessageEncoder(schema)
+    (message,) = encoder.encode(pa.record_batch([pa.array([1, 2, 3], pa.int64())], schema=schema))
+    frames = [
+        untagged(encode_metadata_header(0) + bytes(encoder.schema_message().metadata)),
+        untagged(encode_metadata_header(1) + bytes(message.metadata)),
+    ]
+    if announce is not None:
+        frames.append(tagged(ARENA_TAG, announce))
+    frames += [tagged(make_body_tag(1, BODY_PAIRS), encode_pairs([(0, 24)])), untagged(encode_eos(2))]
+    return frames
+
+
+@pytest.mark.parametrize(
+    ("announce", "expected"),
+    [
+        (None, "announced no arena"),
+        (encode_arena("ucx", b"rkey", {"rma_base": "0"}), "expected memory=shm"),
+        (b'{"memory": "shm"}', "non-empty remote_handle"),
+    ],
+    ids=["none", "other-memory", "malformed"],
+)
+async def test_a_client_refuses_pairs_without_a_good_announcement(
+    announce: bytes | None, expected: str
+) -> None:
+    async with RawServer(lambda: _raw_stream(announce=announce)) as raw:
+        uri = raw.uri() + "&free_data=5&memory=shm&arena=private"
+        with pytest.raises(ProtocolError, match=expected):
+            await within(10, fetch_async(uri, "x", options=ClientOptions(timeout=5)), "the client")
 
 
 # ------------------------------------------------------------------------------------------- shared memory
