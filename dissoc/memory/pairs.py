@@ -65,9 +65,8 @@ class ServedArena:
             raise DissocError(f"memory: expected one of {', '.join(MEMORY_KINDS)} for pairs, got {memory!r}")
         self.memory = memory
         self._rma: Any = None
-        self._shared_rma: Any = (
-            rma  # a context owned by someone else (private arenas share one), not closed here
-        )
+        # a context owned by someone else (private arenas share one): not closed here
+        self._shared_rma: Any = rma
         self._registration: Any = None
         self.params: dict[str, str] = {}
         self.arena: Any
