@@ -36,6 +36,7 @@ from dissoc.protocol import (
     make_body_tag,
 )
 from dissoc.server import Server
+from dissoc.tokens import Secret
 from dissoc.uri import DissocURI
 
 pytestmark = pytest.mark.timeout(120)
@@ -177,6 +178,30 @@ async def test_two_clients_get_arenas_of_their_own_holding_only_their_own_data(s
         del got_a, got_b
         assert await _released(srv)
         assert not any(_exists(n) for n in names)  # unlinked when the connections closed
+
+
+@SPLIT
+async def test_only_a_served_client_is_told_an_arena(split: bool) -> None:
+    secret = Secret(b"0123456789abcdef0123456789abcdef")
+    table = _marked(A_MARK, rows=10_000, batches=2)
+    async with Server(
+        {"a": table, "b": table},
+        body="pairs",
+        private_memory=True,
+        arena_bytes=8 << 20,
+        split=split,
+        secret=secret,
+    ) as srv:
+        private = srv.private
+        assert private is not None
+        forged = Secret(b"another secret of the same length").mint("a", ttl=60)
+        for ticket, code in (("a", "unauthorized"), (forged, "unauthorized"), (secret.mint("zz"), "unknown")):
+            with pytest.raises(RemoteError) as caught:
+                await within(20, fetch_async(srv.uri, ticket, data_uri=srv.data_uri), "a refused client")
+            assert caught.value.code.startswith(code)
+        assert private.opened == 0  # nothing was made, so nothing could be announced
+        got = await fetch_async(srv.uri, secret.mint("a", ttl=60), data_uri=srv.data_uri)
+        assert got.equals(table) and private.opened == 1
 
 
 @SPLIT
