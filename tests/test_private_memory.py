@@ -284,10 +284,17 @@ asyncio.run(main())
 
 
 @SPLIT
-async def test_a_client_killed_mid_stream_leaves_no_segment(split: bool) -> None:
+@pytest.mark.parametrize("memory", ["shm", pytest.param("ucx", marks=pytest.mark.ucx)])
+async def test_a_client_killed_mid_stream_leaves_no_arena(split: bool, memory: str) -> None:
     table = _marked(A_MARK, rows=100_000, batches=8)
     async with Server(
-        {"a": table}, body="pairs", private_memory=True, arena_bytes=16 << 20, split=split
+        {"a": table},
+        transport="ucx" if memory == "ucx" else "tcp",
+        body="pairs",
+        memory=memory,
+        private_memory=True,
+        arena_bytes=16 << 20,
+        split=split,
     ) as srv:
         private = srv.private
         assert private is not None
@@ -311,7 +318,7 @@ async def test_a_client_killed_mid_stream_leaves_no_segment(split: bool) -> None
                 if pipe is not None:
                     pipe.close()
         assert await eventually(lambda: private.open_count == 0, 15), private
-        assert not _exists(names[0])
+        assert not _exists(names[0]) and private.registered_regions == 0
         # and the server serves the next client
         assert (await fetch_async(srv.uri, "a", data_uri=srv.data_uri)).equals(table)
 
