@@ -149,6 +149,13 @@ def _parser() -> argparse.ArgumentParser:
         help="with --body pairs: copy every batch into the arena per request, instead of placing each once "
         "and listing it to every client",
     )
+    s.add_argument(
+        "--private-memory",
+        action="store_true",
+        help="with --body pairs (--memory shm or ucx): an arena per data connection, of --max-unfreed-mib, "
+        "announced to it once its want_data is accepted, so a client reads only its own listings "
+        "(all of them together within --arena-mib)",
+    )
     s.add_argument("--compression", choices=["lz4", "zstd"], default=None)
     s.add_argument(
         "--device",
@@ -423,6 +430,7 @@ async def _serve(args: argparse.Namespace) -> int:
         tls_handshake_timeout=args.tls_handshake_timeout,
         **tls,
         secret=secret,
+        private_memory=args.private_memory,
     )
     async with contextlib.AsyncExitStack() as running:
         await running.enter_async_context(server)

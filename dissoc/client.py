@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections import deque
@@ -30,11 +31,13 @@ from dissoc.errors import DissocError, ProtocolError, RemoteError, ResourceError
 from dissoc.flight.common import DEFAULT_TIMEOUT, is_flight_location
 from dissoc.memory.pairs import PairReader, open_pair_reader
 from dissoc.protocol import (
+    ARENA_TAG,
     BODY_ERROR,
     BODY_PACKED,
     BODY_PAIRS,
     PAIRS_HEADER_SIZE,
     SEQ_MODULUS,
+    ArenaAnnouncement,
     ClientState,
     ClientStream,
     ErrorMessage,
@@ -44,6 +47,7 @@ from dissoc.protocol import (
     SchemaReceived,
     StreamEnded,
     body_type_of,
+    decode_arena,
     decode_stream_message,
     encode_free,
     fmt_seq,
@@ -204,10 +208,14 @@ class _Session:
             self.device = DeviceLanding(validate=options.validate)
         elif options.landing != "host":
             raise DissocError(f"landing: expected 'host' or 'device', got {options.landing!r}")
-        if data_uri.memory is not None:
+        # A private arena (the URI says arena=private) is announced on the data connection once want_data
+        # was accepted (_arena); any other is named in the URI itself.
+        self._arena: tuple[str, bytes | None, tuple[tuple[str, str], ...]] | None = None
+        if data_uri.memory is not None and data_uri.params.get("arena") != "private":
             self.pairs = open_pair_reader(
                 data_uri, zero_copy=options.zero_copy, on_release=self._released, timeout=options.timeout
             )
+            self._arena = _arena_key(data_uri)
 
     def _released(self, offsets: list[int]) -> None:
         """A zero-copy batch was released (in any thread): free its ranges from the event loop."""
@@ -384,6 +392,9 @@ class _Session:
                 if isinstance(err, ErrorMessage):
                     raise RemoteError(err.code, err.message)
                 raise ProtocolError(f"data stream: an error tag carried a {type(err).__name__}, not an error")
+            if msg.tag == ARENA_TAG:
+                self._arena_announced(decode_arena(msg.view()))
+                continue
             seq = seq_of(msg.tag)
             await self._wait_window(seq)
             n = msg.nbytes
@@ -393,6 +404,30 @@ class _Session:
                 self.reading_paused = True
                 conn.pause_reading()
             self._publish(self.stream.receive_body(msg.tag, msg.payload, n))
+
+    def _arena_announced(self, arena: ArenaAnnouncement) -> None:
+        """The data server named the arena this connection's pair lists point into (private arenas): open a
+        reader for it, before any of those pair lists is read."""
+        uri = self.data_uri
+        if uri.memory != arena.memory:
+            raise ProtocolError(
+                f"arena announcement: expected memory={uri.memory} as the data URI says, got {arena.memory!r}"
+            )
+        announced = dataclasses.replace(uri, remote_handle=arena.remote_handle, params=arena.params)
+        key = _arena_key(announced)
+        if self._arena is not None:
+            if key != self._arena:  # a repeat (each stream announces the connection's arena) changes nothing
+                raise ProtocolError(
+                    "arena announcement: the data server named a second arena on one connection"
+                )
+            return
+        self.pairs = open_pair_reader(
+            announced,
+            zero_copy=self.options.zero_copy,
+            on_release=self._released,
+            timeout=self.options.timeout,
+        )
+        self._arena = key
 
     def decode(self, ev: MessageReady | SchemaReceived) -> Batch | None:
         if isinstance(ev, SchemaReceived):
@@ -431,9 +466,12 @@ class _Session:
     def _decode_pairs(self, ev: MessageReady) -> Batch | None:
         """Body type 1: read the listed ranges (copy, zero-copy or RMA); free what is done."""
         if self.pairs is None:
-            raise ProtocolError(
-                f"message {fmt_seq(ev.seq)}: address/length pairs, but the data URI names no memory for them"
+            where = (
+                "the data server announced no arena"
+                if self.data_uri.memory is not None
+                else "the data URI names no memory"
             )
+            raise ProtocolError(f"message {fmt_seq(ev.seq)}: address/length pairs, but {where} for them")
         pairs = ev.body
         assert isinstance(pairs, PairList)
         batch: Batch | None
@@ -742,8 +780,6 @@ async def fetch_device_async(
 ) -> list[DeviceBatch]:
     """Fetch a whole stream into device memory: its batches as :class:`~dissoc.device.DeviceBatch` objects
     (``options`` with ``landing="device"`` is implied)."""
-    import dataclasses
-
     opts = dataclasses.replace(options or ClientOptions(), landing="device")
     out: list[DeviceBatch] = []
     async for b in stream_batches(uri, ticket, data_uri=data_uri, options=opts):
@@ -969,6 +1005,11 @@ def open_stream(
 ) -> StreamReader:
     """Open a dissoc stream for synchronous iteration (``pyarrow.ipc.open_stream``'s counterpart)."""
     return StreamReader(uri, ticket, data_uri=data_uri, options=options)
+
+
+def _arena_key(uri: DissocURI) -> tuple[str, bytes | None, tuple[tuple[str, str], ...]]:
+    """What tells two arenas apart: memory kind, handle and the kind's parameters."""
+    return (str(uri.memory), uri.remote_handle, tuple(sorted(uri.params.items())))
 
 
 def _pairs_nbytes(pairs: PairList) -> int:

@@ -10,6 +10,11 @@ Each message with a body is sent as one tagged message whose tag carries its seq
   keeps the account per client).
 
 Errors on a data-only connection travel as a tagged message (tag ``0xE0 << 56``) carrying the error JSON.
+
+With private arenas (``ServeOptions.private``), each connection's pair lists point into an arena of its own,
+made when the first pair list of its first accepted stream is due (so only after want_data was accepted) and
+destroyed when the connection closes; the client learns it from the arena announcement (tag ``0xE1 << 56``,
+:mod:`dissoc.protocol.arena`) sent before the first pair list of every stream.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
@@ -25,15 +31,19 @@ import pyarrow as pa
 
 from dissoc.buffers import buffer_nbytes, device_nbytes
 from dissoc.codec import parse
-from dissoc.datasets import Dataset, IpcStreamDataset
+from dissoc.datasets import Catalog, Dataset, IpcStreamDataset
 from dissoc.datasets.messages import device_bodies, same_every_time
-from dissoc.errors import DissocError, TransportError
+from dissoc.errors import DissocError, ResourceError, TransportError
 from dissoc.logs import RateLimitedLog
+from dissoc.memory.pairs import ServedArena
 from dissoc.memory.placements import Placements, Scope
+from dissoc.memory.private import PrivateArenas
 from dissoc.protocol import (
+    ARENA_TAG,
     BODY_PAIRS,
     ServerMessage,
     decode_free,
+    encode_arena,
     encode_error,
     encode_pairs,
     fmt_seq,
@@ -55,45 +65,119 @@ _QUOTA_POLL_S = 0.02
 _FREE_GRACE_S = 1.0
 
 
+class PrivateMemory:
+    """One connection's own arena (private arenas): its ledger from the start, its arena (with placements
+    made per request: nothing is resident, nothing is shared) from the first pair list on, and the
+    announcement that tells the client where it is. Offsets of different arenas are unrelated, hence a ledger
+    per connection."""
+
+    def __init__(self, arenas: PrivateArenas) -> None:
+        self._arenas = arenas
+        self.ledger = Ledger(arenas.capacity)
+        self.served: ServedArena | None = None
+        self.placements: Placements | None = None
+        self.announcement = b""
+        self.closed = False
+
+    async def open(self) -> Placements:
+        """The arena's placements, the arena made first if need be (in a worker thread: a large segment
+        takes tens of milliseconds to reserve). Raises :class:`~dissoc.memory.private.ArenasExhausted` when
+        the server holds as many private arenas as it may."""
+        if self.placements is not None:
+            return self.placements
+        making = asyncio.get_running_loop().run_in_executor(None, self._arenas.open)
+        try:
+            served = await asyncio.shield(making)
+        except asyncio.CancelledError:
+            # the connection went while the arena was being made: destroy it once it is
+            making.add_done_callback(self._discard)
+            raise
+        if self.closed:
+            self._arenas.release(served)
+            raise TransportError("the connection closed while its private arena was being made")
+        self.served = served
+        self.placements = Placements(served.arena, resident=False)
+        self.announcement = encode_arena(served.memory, served.remote_handle, served.params)
+        return self.placements
+
+    def _discard(self, making: asyncio.Future[ServedArena]) -> None:
+        if not making.cancelled() and making.exception() is None:
+            self._arenas.release(making.result())
+
+    def close(self) -> None:
+        """Destroy the arena (deregistered, unlinked, unmapped); the connection is gone."""
+        self.closed = True
+        placements, self.placements = self.placements, None
+        served, self.served = self.served, None
+        if placements is not None:
+            placements.close()
+        if served is not None:
+            self._arenas.release(served)
+
+
 class DataPart(StreamPart):
-    """The bodies of one stream on one connection, packed or as pair lists."""
+    """The bodies of one stream on one connection, packed or as pair lists (into the server's shared arena,
+    or into the connection's own: ``private``)."""
 
     def __init__(
-        self, conn: Connection, dataset: Dataset, options: ServeOptions, current: Callable[[], bool]
+        self,
+        conn: Connection,
+        dataset: Dataset,
+        options: ServeOptions,
+        current: Callable[[], bool],
+        private: PrivateMemory | None = None,
     ) -> None:
         self._conn = conn
         self._options = options
         self._device = device_bodies(dataset, options.compression)  # each body is then one device array
+        self._pairs = options.pairs
+        self._private = private
         self._placements = options.placements
         self._scope = _scope(dataset, self._placements, current) if self._placements is not None else None
+        self._ledger = private.ledger if private is not None else options.ledger
         self._quota = options.unfreed_quota
+        self._announce = private is not None  # before the stream's first pair list
         # What the client held before this stream (never more than it holds now): bytes this stream cannot
         # wait for, since only its own batches are sure to be freed as the client reads on.
-        self._held_before = options.ledger.live_bytes_of(conn) if options.ledger is not None else 0
+        self._held_before = self._ledger.live_bytes_of(conn) if self._ledger is not None else 0
 
     def message(
         self, out: Outbox, sent: ServerMessage, metadata: Any, body: list[Any]
     ) -> Awaitable[None] | None:
         if sent.tag is None:
             return None
-        if self._placements is None:
+        if not self._pairs:
             if self._device:
                 body = [_device_for_connection(body[0], self._conn)]
             out.add(sent.tag, body, sum(buffer_nbytes(b) for b in body))
             return None
-        return self._send_pairs(out, sent, metadata, body, self._placements)
+        return self._send_pairs(out, sent, metadata, body)
 
-    async def _send_pairs(
-        self, out: Outbox, sent: ServerMessage, metadata: Any, body: list[Any], placements: Placements
-    ) -> None:
+    async def _send_pairs(self, out: Outbox, sent: ServerMessage, metadata: Any, body: list[Any]) -> None:
         """Body type 1: the buffers go into the arena (once, for a resident placement), the client gets where
         they are. What is queued goes first: the client must see the metadata before the pairs."""
         conn = self._conn
         await out.flush()
-        ledger = self._options.ledger
+        ledger = self._ledger
         assert ledger is not None
         # a device body is one device array (it has nbytes, not the buffer protocol)
         nbytes = int(body[0].nbytes) if self._device else sum(buffer_nbytes(b) for b in body)
+        private = self._private
+        gone: Callable[[], bool] = lambda: conn.closed  # noqa: E731
+        if private is None:
+            placements = self._placements
+            assert placements is not None
+        else:
+            placements = await private.open()
+            if nbytes > private.ledger.capacity_bytes:
+                raise ResourceError(
+                    f"message {fmt_seq(sent.seq)} has {nbytes} bytes of buffers, more than this connection's "
+                    f"private arena holds ({private.ledger.capacity_bytes} bytes: max_unfreed_bytes)"
+                )
+            if self._announce:
+                self._announce = False
+                await conn.send_tagged(ARENA_TAG, private.announcement)
+            gone = _Stall(conn, ledger, nbytes, self._options.unfreed_wait, sent.seq)
         if not ledger.fits_quota(conn, nbytes, self._quota) and ledger.live_bytes_of(conn):
             # (a client holding nothing gets its batch, however large: the arena bounds that)
             await self._wait_for_quota(ledger, sent, nbytes)
@@ -102,7 +186,7 @@ class DataPart(StreamPart):
             self._scope,
             sent.seq,
             lambda: _buffers_for_arena(metadata, body, self._device, placements),
-            gone=lambda: conn.closed,
+            gone=gone,
             what=conn.description,
         )
         ledger.record(conn, pairs)
@@ -151,23 +235,83 @@ class DataPart(StreamPart):
             held = now
 
 
+class _Stall:
+    """The ``gone`` check of a placement waiting for room in a private arena: true once the connection
+    closed; raises :class:`~dissoc.protocol.ledger.QuotaExceeded` when its client (the only one who can make
+    room there) freed nothing for ``wait`` seconds."""
+
+    def __init__(self, conn: Connection, ledger: Ledger, nbytes: int, wait: float, seq: int) -> None:
+        self._conn = conn
+        self._ledger = ledger
+        self._nbytes = nbytes
+        self._wait = wait
+        self._seq = seq
+        self._held = ledger.live_bytes_of(conn)
+        self._since = time.monotonic()
+
+    def __call__(self) -> bool:
+        if self._conn.closed:
+            return True
+        now = time.monotonic()
+        held = self._ledger.live_bytes_of(self._conn)
+        if held < self._held:
+            self._since = now  # it frees: keep waiting
+        self._held = held
+        if now - self._since > self._wait:
+            raise QuotaExceeded(
+                f"message {fmt_seq(self._seq)} ({self._nbytes} bytes) does not fit in this connection's "
+                f"private arena of {self._ledger.capacity_bytes} bytes (max_unfreed_bytes), which holds "
+                f"{held} bytes awaiting free_data, and nothing was freed for {self._wait:g} s: "
+                "free what you hold"
+            )
+        return False
+
+
 class DataServer(RoleServer):
     """Sends bodies only (the data stream); the metadata comes from a
     :class:`~dissoc.metadata_server.MetadataServer`."""
 
     role = Role.DATA
 
+    def __init__(
+        self,
+        catalog: Catalog,
+        options: ServeOptions,
+        *,
+        transport: str = "tcp",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        **transport_options: object,
+    ) -> None:
+        super().__init__(catalog, options, transport=transport, host=host, port=port, **transport_options)
+        self._private: dict[Connection, PrivateMemory] = {}
+
+    def private_memory(self, conn: Connection) -> PrivateMemory | None:
+        """``conn``'s own arena with private arenas (None otherwise, or once it closed)."""
+        return self._private.get(conn)
+
     def parts(self, conn: Connection, dataset: Dataset, current: Callable[[], bool]) -> list[StreamPart]:
-        return [DataPart(conn, dataset, self.options, current)]
+        return [DataPart(conn, dataset, self.options, current, self.private_memory(conn))]
+
+    def _holds_ranges(self, conn: Connection) -> bool:
+        private = self._private.get(conn)
+        if private is not None:
+            return private.ledger.live_bytes_of(conn) > 0
+        return super()._holds_ranges(conn)
 
     async def serve_connection(self, conn: Connection) -> None:
         """Answer want_data and, with pair bodies, apply free_data, until the peer leaves; then everything
-        still listed to it is given back."""
+        still listed to it is given back (and its private arena destroyed)."""
         options = self.options
-        if options.placements is None:
+        if not options.pairs:
             await super().serve_connection(conn)
             return
-        frees = asyncio.get_running_loop().create_task(self._serve_free_data(conn))
+        private: PrivateMemory | None = None
+        if options.private is not None:
+            private = self._private[conn] = PrivateMemory(options.private)
+        ledger = private.ledger if private is not None else options.ledger
+        assert ledger is not None
+        frees = asyncio.get_running_loop().create_task(self._serve_free_data(conn, ledger, private))
         try:
             await super().serve_connection(conn)
         finally:
@@ -176,26 +320,32 @@ class DataServer(RoleServer):
                 with contextlib.suppress(asyncio.CancelledError, DissocError):
                     await frees
             finally:
-                assert options.ledger is not None
                 # The client is gone: everything still listed to it can be reused (resident placements once
                 # no other client holds them, and the arena needs the room). Nothing the free_data task
                 # raised may skip this, or the ranges stay allocated with no client left to free them.
-                ranges = options.ledger.drop(conn)
-                if ranges:
-                    options.placements.release(conn, ranges)
+                ranges = ledger.drop(conn)
+                placements = private.placements if private is not None else options.placements
+                if ranges and placements is not None:
+                    placements.release(conn, ranges)
+                if private is not None:
+                    self._private.pop(conn, None)
+                    # unmapping a large segment takes a while: off the event loop (it completes even if
+                    # this task is cancelled meanwhile)
+                    closing = asyncio.get_running_loop().run_in_executor(None, _close_quietly, private)
+                    await asyncio.shield(closing)
 
-    async def _serve_free_data(self, conn: Connection) -> None:
+    async def _serve_free_data(self, conn: Connection, ledger: Ledger, private: PrivateMemory | None) -> None:
         """Apply the client's free_data messages; a bad one is reported to this client and ends its
         connection."""
         options = self.options
-        assert options.free_data is not None and options.ledger is not None and options.placements is not None
+        assert options.free_data is not None
         while True:
             try:
                 msg = await conn.recv_tagged(options.free_data)
             except TransportError:
                 return
             try:
-                freed = options.ledger.free_ranges(conn, decode_free(msg.view()))
+                freed = ledger.free_ranges(conn, decode_free(msg.view()))
             except DissocError as e:
                 _peer_log.log(
                     logging.WARNING, "bad_free_data", "free_data from %s rejected: %s", conn.description, e
@@ -204,7 +354,16 @@ class DataServer(RoleServer):
                     await self.send_error(conn, encode_error(0, "bad_free_data", str(e)))
                 await conn.close()
                 return
-            options.placements.release(conn, freed)
+            placements = private.placements if private is not None else options.placements
+            if freed and placements is not None:
+                placements.release(conn, freed)
+
+
+def _close_quietly(private: PrivateMemory) -> None:
+    try:
+        private.close()
+    except Exception:  # logged: the connection is gone either way, and the server's close sweeps again
+        log.warning("destroying a private arena failed", exc_info=True)
 
 
 def _scope(dataset: Dataset, placements: Placements, current: Callable[[], bool]) -> Scope | None:

@@ -28,7 +28,6 @@ from dissoc.datasets.messages import dataset_messages, same_every_time
 from dissoc.errors import DissocError, ResourceError, TransportError
 from dissoc.logs import RateLimitedLog, peer_log
 from dissoc.protocol import ERROR_TAG, ServerMessage, ServerStream, encode_error, fmt_seq, fmt_tag
-from dissoc.protocol.ledger import QuotaExceeded
 from dissoc.tokens import Secret, TokenError
 from dissoc.transport import Connection, Listener, TaggedMessage, serve
 from dissoc.uri import DissocURI
@@ -36,6 +35,7 @@ from dissoc.uri import DissocURI
 if TYPE_CHECKING:
     from dissoc.memory.pairs import ServedArena
     from dissoc.memory.placements import Placements
+    from dissoc.memory.private import PrivateArenas
     from dissoc.protocol.ledger import Ledger
 
 __all__ = [
@@ -113,11 +113,14 @@ class ServeOptions:
     #: With a secret, want_data must carry a signed ticket of scope ``read`` made with it
     #: (:mod:`dissoc.tokens`); without one, the ticket is the dataset's name. (Its repr shows no key.)
     secret: Secret | None = None
+    #: With private arenas, each data connection's pair lists point into an arena of its own, made from
+    #: these (there is then no shared arena: ``served``, ``placements`` and ``ledger`` are None).
+    private: PrivateArenas | None = None
 
     @property
     def pairs(self) -> bool:
         """Whether bodies are sent as pair lists into an arena."""
-        return self.placements is not None
+        return self.placements is not None or self.private is not None
 
     @property
     def unfreed_quota(self) -> int:
@@ -224,8 +227,9 @@ async def stream_dataset(
         # The dataset or its encoding failed: tell the client on the stream, which then ends.
         _stream_log.log(logging.WARNING, type(e).__name__, "stream of %r failed: %s", dataset.name, e)
         await out.flush()
-        if isinstance(e, QuotaExceeded):
-            await send_error(_error(stream, e.code, str(e)))
+        code = getattr(e, "code", None) if isinstance(e, ResourceError) else None
+        if isinstance(code, str):  # a limit with its own error code (QuotaExceeded, ArenasExhausted)
+            await send_error(_error(stream, code, str(e)))
         else:
             await send_error(_error(stream, "stream_failed", f"serving {dataset.name!r} failed: {e}"))
         return stream.next_seq
@@ -491,18 +495,24 @@ class RoleServer(abc.ABC):
     def uri(self, **params: str) -> DissocURI:
         """The URI clients use to reach this server (with where pairs point, for a data server using them)."""
         served = self.options.served if self.role is not Role.METADATA else None
+        private = self.options.private if self.role is not Role.METADATA else None
         if self._listener is not None:
             params = {**self._listener.uri_params(), **params}
         if served is not None:
             params = {**served.params, **params}
+        memory = served.memory if served is not None else None
+        if private is not None:
+            # Each connection's arena is announced on it once want_data is accepted: nothing here to read.
+            params = {**params, "arena": "private"}
+            memory = private.memory
         return DissocURI(
             self.transport,
             self.host,
             self.port,
             self.options.want_data,
-            self.options.free_data if served is not None else None,
+            self.options.free_data if memory is not None else None,
             remote_handle=served.remote_handle if served is not None else None,
-            memory=served.memory if served is not None else None,
+            memory=memory,
             params=params,
         )
 

@@ -53,13 +53,20 @@ class ServedArena:
     first two and a :class:`~dissoc.memory.cuda_arena.DeviceArena` for ``cuda`` (same allocator API);
     ``params`` are the extra data-URI parameters (``rma_*`` for ucx, ``cuda_length`` for cuda). Asking for
     ``cuda`` where there is no device raises :class:`~dissoc.errors.ResourceError` naming the ``gpu`` extra.
+
+    ``rma``: for ``ucx``, an :class:`~dissoc.memory.ucx_rma.RmaContext` to register the region with (its
+    owner closes it; by default the arena makes and closes its own). ``sweep``: unlink the segments of dead
+    dissoc processes first (:func:`~dissoc.memory.shm.cleanup_stale`; the private arenas of
+    :mod:`dissoc.memory.private` sweep once per server instead of once per arena).
     """
 
-    def __init__(self, memory: str, capacity: int) -> None:
+    def __init__(self, memory: str, capacity: int, *, rma: Any = None, sweep: bool = True) -> None:
         if memory not in MEMORY_KINDS:
             raise DissocError(f"memory: expected one of {', '.join(MEMORY_KINDS)} for pairs, got {memory!r}")
         self.memory = memory
         self._rma: Any = None
+        # a context owned by someone else (private arenas share one): not closed here
+        self._shared_rma: Any = rma
         self._registration: Any = None
         self.params: dict[str, str] = {}
         self.arena: Any
@@ -72,7 +79,8 @@ class ServedArena:
                 raise ResourceError(f"memory=cuda: {e}") from e
             self.params = {"cuda_length": str(self.arena.capacity)}
             return
-        cleanup_stale()
+        if sweep:
+            cleanup_stale()
         self.arena = ShmArena.create(capacity)
         if memory == "ucx":
             try:
@@ -84,13 +92,15 @@ class ServedArena:
     def _register(self) -> None:
         from dissoc.memory.ucx_rma import RmaContext
 
-        self._rma = RmaContext()
-        self._registration = self._rma.register(self.arena.buffer)
+        context = self._shared_rma
+        if context is None:
+            context = self._rma = RmaContext()
+        self._registration = context.register(self.arena.buffer)
         # Reads through emulated transports (across hosts without RDMA) need this side to make progress.
-        self._rma.start_progress_thread(idle_sleep_s=0.002)
+        context.start_progress_thread(idle_sleep_s=0.002)
         reg = self._registration
         self.params = {
-            "rma_worker": base64.b64encode(self._rma.worker_address()).decode("ascii"),
+            "rma_worker": base64.b64encode(context.worker_address()).decode("ascii"),
             "rma_base": str(reg.address),
             "rma_length": str(reg.length),
         }

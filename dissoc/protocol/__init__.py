@@ -4,12 +4,14 @@
 * :mod:`~dissoc.protocol.framing` -- metadata-stream messages (5-byte prefix: type, sequence number).
 * :mod:`~dissoc.protocol.tags` -- data-stream tags (sequence number, reserved bits, body type).
 * :mod:`~dissoc.protocol.pairs` -- body type 1 pair lists and free_data messages.
+* :mod:`~dissoc.protocol.arena` -- the arena announcement (a project extension, for private arenas).
 * :mod:`~dissoc.protocol.reorder` -- matching metadata with bodies and releasing messages in order.
 * :mod:`~dissoc.protocol.state` -- the server's and the client's per-stream state machines.
 """
 
 from __future__ import annotations
 
+from dissoc.protocol.arena import MAX_ARENA_PAYLOAD, ArenaAnnouncement, decode_arena, encode_arena
 from dissoc.protocol.framing import (
     PREFIX_SIZE,
     BytesLike,
@@ -63,6 +65,8 @@ from dissoc.protocol.state import (
     StreamStateError,
 )
 from dissoc.protocol.tags import (
+    ARENA_TAG,
+    BODY_ARENA,
     BODY_ERROR,
     BODY_PACKED,
     BODY_PAIRS,
@@ -82,6 +86,8 @@ from dissoc.protocol.tags import (
 )
 
 __all__ = [
+    "ARENA_TAG",
+    "BODY_ARENA",
     "BODY_PACKED",
     "BODY_ERROR",
     "BODY_PAIRS",
@@ -90,6 +96,7 @@ __all__ = [
     "DEFAULT_MAX_PENDING_BYTES",
     "DEFAULT_WINDOW",
     "KNOWN_BODY_TYPES",
+    "MAX_ARENA_PAYLOAD",
     "PAIRS_HEADER_SIZE",
     "PREFIX_SIZE",
     "RESERVED_MASK",
@@ -99,6 +106,7 @@ __all__ = [
     "SEQ_MODULUS",
     "TAG_MAX",
     "U64_MAX",
+    "ArenaAnnouncement",
     "BodyTag",
     "BytesLike",
     "ClientEvent",
@@ -125,7 +133,9 @@ __all__ = [
     "check_seq",
     "decode_free",
     "decode_pairs",
+    "decode_arena",
     "decode_stream_message",
+    "encode_arena",
     "encode_eos",
     "encode_error",
     "encode_error_payload",

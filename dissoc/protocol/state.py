@@ -277,7 +277,10 @@ class ClientStream:
         self._start = check_seq(start_seq)
         self._state = ClientState.AWAITING_SCHEMA
         self._schema_released = False
-        self._failure: BaseException | None = None
+        # What failed the stream, as text: the exception itself would keep alive, through the traceback it
+        # gathers once the consumer raises it, whatever the consumer's frames hold (zero-copy batches over a
+        # server's memory, whose release the session waits for).
+        self._failure: str | None = None
 
     # -- introspection ---------------------------------------------------------------------------------------
 
@@ -366,7 +369,7 @@ class ClientStream:
 
     def _fail(self, exc: BaseException) -> NoReturn:
         self._state = ClientState.FAILED
-        self._failure = exc
+        self._failure = str(exc)
         raise exc
 
     def receive_metadata_message(self, buf: BytesLike) -> list[ClientEvent]:

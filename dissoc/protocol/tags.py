@@ -14,6 +14,8 @@ from dissoc.protocol.seq import check_seq
 
 __all__ = [
     "BODY_PACKED",
+    "ARENA_TAG",
+    "BODY_ARENA",
     "BODY_ERROR",
     "BODY_PAIRS",
     "BODY_TYPE_SHIFT",
@@ -51,6 +53,13 @@ BODY_ERROR: Final = 0xE0
 data connection carries only tagged messages. Never passed to the reorder buffer."""
 
 ERROR_TAG: Final = BODY_ERROR << 56
+
+BODY_ARENA: Final = 0xE1
+"""Project extension: a data server with private arenas (``private_memory``) says which arena this
+connection's pair lists point into (JSON, :mod:`dissoc.protocol.arena`), after want_data was accepted and
+before the stream's first pair list. Never passed to the reorder buffer."""
+
+ARENA_TAG: Final = BODY_ARENA << 56
 
 KNOWN_BODY_TYPES: Final = frozenset({BODY_PACKED, BODY_PAIRS})
 

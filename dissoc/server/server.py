@@ -19,6 +19,7 @@ from dissoc.errors import DissocError
 from dissoc.memory.cuda_arena import DeviceArena
 from dissoc.memory.pairs import ServedArena
 from dissoc.memory.placements import Placements
+from dissoc.memory.private import PrivateArenas
 from dissoc.memory.shm import ShmArena
 from dissoc.metadata_server import MetadataServer
 from dissoc.protocol.ledger import Ledger
@@ -67,6 +68,13 @@ class Server:
     placed once and stays there, listed to every client that asks with no further copy, until the arena
     needs the room for something else and no client holds it (:attr:`placements`); ``resident=False`` places
     a copy per request, freed when the client frees it.
+
+    With ``private_memory=True`` (``memory`` ``shm`` or ``ucx``), there is no shared arena: each data
+    connection gets an arena of its own (a segment, or a UCX region with its own remote key) of
+    ``max_unfreed_bytes`` (default: a quarter of ``arena_bytes``), made once its want_data was accepted and
+    announced to it on the data connection (the data URI names none), destroyed when it closes. Together
+    they hold at most ``arena_bytes``: one more connection asking for data gets the error
+    ``arenas_exhausted``. A client then reads only what was listed to it (see :mod:`dissoc.memory.private`).
 
     What clients may hold (None turns a bound off):
 
@@ -124,6 +132,7 @@ class Server:
         tls_client_ca: str | os.PathLike[str] | None = None,
         tls_handshake_timeout: float | None = DEFAULT_HANDSHAKE_TIMEOUT,
         secret: Secret | bytes | str | None = None,
+        private_memory: bool = False,
         **transport_options: Any,
     ) -> None:
         for what, number in (("port", port), ("data_port", data_port)):
@@ -141,6 +150,8 @@ class Server:
         self.served: ServedArena | None = None
         self.placements: Placements | None = None
         self.ledger: Ledger | None = None
+        #: With ``private_memory``: the per-connection arenas (there is no shared arena then).
+        self.private: PrivateArenas | None = None
         if body not in ("packed", "pairs"):
             raise DissocError(f"body must be 'packed' or 'pairs', got {body!r}")
         if body == "pairs":
@@ -149,13 +160,21 @@ class Server:
                 raise DissocError("memory='ucx' (pairs read with UCX RMA) needs transport='ucx'")
             if compression is not None:
                 raise DissocError("compression applies to packed bodies; pairs point at uncompressed buffers")
-            self.served = ServedArena(memory, arena_bytes)
-            self.arena = self.served.arena
-            self.ledger = Ledger(arena_bytes)
-            self.placements = Placements(self.arena, resident=resident)
+            if private_memory:
+                # one arena per data connection, each the per-client quota, all of them within arena_bytes
+                quota = max_unfreed_bytes if max_unfreed_bytes is not None else arena_bytes // 4
+                self.private = PrivateArenas(memory, capacity=quota, budget=arena_bytes)
+                max_unfreed_bytes = self.private.capacity
+            else:
+                self.served = ServedArena(memory, arena_bytes)
+                self.arena = self.served.arena
+                self.ledger = Ledger(arena_bytes)
+                self.placements = Placements(self.arena, resident=resident)
             free_data = DEFAULT_FREE_DATA if free_data is None else free_data
         elif memory is not None:
             raise DissocError(f"memory={memory!r} needs body='pairs'")
+        elif private_memory:
+            raise DissocError("private_memory (an arena per connection) needs body='pairs'")
         options = ServeOptions(
             want_data=want_data,
             free_data=free_data,
@@ -169,6 +188,7 @@ class Server:
             idle_timeout=idle_timeout,
             max_unfreed_bytes=max_unfreed_bytes,
             secret=self.secret,
+            private=self.private,
         )
         for name, value in (
             ("want_data_timeout", want_data_timeout),
@@ -263,6 +283,8 @@ class Server:
             self.placements.close()
         if self.served is not None:
             self.served.close()  # unregisters from UCX, unlinks the segment
+        if self.private is not None:
+            self.private.close()  # the arenas of connections still open, and their UCX context
         self._closed.set()
 
     async def __aenter__(self) -> Self:
