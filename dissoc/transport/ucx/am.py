@@ -96,6 +96,8 @@ def _handle_message(
 
 # One C callback for the process, never freed: a worker may call it until the worker itself is destroyed.
 _CALLBACK = AM_RECV_CALLBACK(_handle_message)
+# Never freed, not even when the interpreter exits: UCX may call it while ucxx destroys a worker then.
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_CALLBACK))
 # Reference the parameter struct's type so that ctypes has resolved it before the first call.
 _ = UcpAmRecvParam
 

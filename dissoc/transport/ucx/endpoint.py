@@ -110,6 +110,8 @@ def _on_error(arg: int | None, ep: int | None, status: int) -> None:
 
 
 _ERR_CALLBACK = ERR_CALLBACK(_on_error)
+# Never freed, not even when the interpreter exits: UCX may call it while ucxx destroys a worker then.
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_ERR_CALLBACK))
 
 
 class RawEndpoint:

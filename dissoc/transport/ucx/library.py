@@ -14,6 +14,7 @@ from typing import Any
 
 from dissoc.buffers import BytesLike
 from dissoc.errors import TransportError
+from dissoc.transport.ucx.libucp import ucs_log_defaults
 
 __all__ = ["close_endpoint", "endpoint_alive", "ucx_array", "ucx_context", "ucx_mask", "ucx_tag", "ucxx_lib"]
 
@@ -29,7 +30,8 @@ def ucxx_lib() -> ModuleType:
     if _lib_module is None:
         before = dict(os.environ)
         try:
-            import ucxx._lib.libucxx as libucxx
+            with ucs_log_defaults():
+                import ucxx._lib.libucxx as libucxx
         except ImportError as exc:
             raise TransportError(
                 f"the 'ucx' transport needs ucxx (pip install 'dissoc[ucx]'): {exc}"

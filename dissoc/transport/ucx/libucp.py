@@ -13,11 +13,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import importlib
 import importlib.util
 import os
+from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
@@ -373,6 +375,26 @@ def libucp_path() -> str | None:
     return ctypes.util.find_library("ucp")
 
 
+#: UCX's log level unless ``UCX_LOG_LEVEL`` says otherwise. UCX prints its log on stdout (where dissoc's CLI
+#: writes its JSON lines), and what it reports there (a flush to a peer that just went, say) reaches dissoc's
+#: callers as a TransportError when it matters.
+DEFAULT_LOG_LEVEL = "fatal"
+
+
+@contextlib.contextmanager
+def ucs_log_defaults() -> Iterator[None]:
+    """Around loading UCX's libraries (libucs reads its log settings then): ``UCX_LOG_LEVEL`` is
+    :data:`DEFAULT_LOG_LEVEL` unless the user set it; the environment is left as it was."""
+    added = "UCX_LOG_LEVEL" not in os.environ
+    if added:
+        os.environ["UCX_LOG_LEVEL"] = DEFAULT_LOG_LEVEL
+    try:
+        yield
+    finally:
+        if added:
+            os.environ.pop("UCX_LOG_LEVEL", None)
+
+
 def _load_wheel_libraries() -> tuple[ctypes.CDLL, ctypes.CDLL] | None:
     """libucs and libucp through the libucx wheel's own loader, as ucxx loads them.
 
@@ -384,7 +406,8 @@ def _load_wheel_libraries() -> tuple[ctypes.CDLL, ctypes.CDLL] | None:
     if _wheel_lib_dir() is None:
         return None
     libucx = importlib.import_module("libucx")  # untyped; imported only now, on first use
-    libs = libucx.load_library()
+    with ucs_log_defaults():
+        libs = libucx.load_library()
     ucs, ucp = libs[0], libs[-1]
     if not isinstance(ucs, ctypes.CDLL) or not isinstance(ucp, ctypes.CDLL):
         return None
@@ -401,7 +424,8 @@ def lib() -> _Lib:
             ucp_path = ctypes.util.find_library("ucp")
             if ucp_path is None or ucs_path is None:
                 raise TransportError("libucp not found: install the libucx wheel (pip install 'dissoc[ucx]')")
-            loaded = ctypes.CDLL(ucs_path), ctypes.CDLL(ucp_path)
+            with ucs_log_defaults():
+                loaded = ctypes.CDLL(ucs_path), ctypes.CDLL(ucp_path)
         ucs, ucp = loaded
         return _Lib(ucs, ucp, str(ucp._name))
     except OSError as e:

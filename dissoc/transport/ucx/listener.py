@@ -80,6 +80,8 @@ def _on_conn_request(conn_request: int | None, arg: int | None) -> None:
 
 
 _CONN_CALLBACK = CONN_CALLBACK(_on_conn_request)
+# Never freed, not even when the interpreter exits: UCX may call it while ucxx destroys a worker then.
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_CONN_CALLBACK))
 
 
 def _sockaddr_in(host: str, port: int) -> ctypes.Array[ctypes.c_char]:
