@@ -8,7 +8,7 @@ import binascii
 import contextlib
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,7 +31,7 @@ from dissoc.transport.base import (
 )
 from dissoc.transport.ucx.am import AmReceiver
 from dissoc.transport.ucx.driver import MAX_ROUNDS, Driver, Pending
-from dissoc.transport.ucx.endpoint import flush
+from dissoc.transport.ucx.endpoint import RawEndpoint, flush
 from dissoc.transport.ucx.handshake import (
     BYE_TAG,
     HELLO_TAG,
@@ -89,6 +89,8 @@ class UcxConnection(Connection):
 
     Get one from :func:`connect_ucx` or in a :func:`serve_ucx` handler. Tagged messages may be sent from
     device memory, and the allocator may return device buffers (UCX's CUDA transports move them).
+    ``closing_exchange``: the data endpoint has no peer-failure handling, so closing starts with the BYE
+    exchange (see :meth:`_release`).
     """
 
     device_memory = True
@@ -105,6 +107,7 @@ class UcxConnection(Connection):
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
         allocator: Allocator | None = None,
         receive_budget: ReceiveBudget | None = None,
+        closing_exchange: bool = True,
     ) -> None:
         super().__init__(
             max_message_bytes=max_message_bytes,
@@ -128,6 +131,8 @@ class UcxConnection(Connection):
         self._bye_sent = False
         self._closing = False
         self._release_task: asyncio.Task[None] | None = None
+        #: Closing needs the BYE exchange (a data endpoint without peer-failure handling): see _release.
+        self._exchange = closing_exchange
         try:
             # Untagged messages are received by dissoc, not by ucxx (see dissoc.transport.ucx.am).
             self._am = AmReceiver(int(self._worker.handle), max_message_bytes, description)
@@ -430,49 +435,30 @@ class UcxConnection(Connection):
         self._release_task = self._loop.create_task(self._release())
 
     async def _release(self) -> None:
-        """Close both endpoints, progressing the workers until the peer acknowledged (bounded), then let go.
+        """Close the endpoints, progressing the worker until UCX completed everything (bounded), then let go.
 
-        A UCX endpoint close is a short exchange with the peer: the worker must keep being progressed for it
-        to complete (and for the peer to hear of it). After ``_RELEASE_WAIT`` seconds (a peer that is gone
-        never answers) the objects are dropped anyway; ucxx then force-closes what is left.
+        A request UCX never completes holds its endpoint, and the endpoint its worker, for good, and the
+        worker is only progressed while this runs. Endpoints with peer-failure handling (the listener path)
+        are closed forcefully: what is still under way is cancelled. Those without (the same-host path's data
+        endpoints, which keep shared memory) first have the closing exchange: both sides send BYE as their
+        last message, then take (and drop) whatever the other still sends until its BYE, so that every send
+        under way completes and the (flushing) closes after it can too; a peer known to be dead is closed
+        forcefully. After ``_RELEASE_WAIT`` seconds a phase gives up.
         (``close()`` is never called on an endpoint UCX already failed: ucxx crashes on that.)
         """
         driver = self._driver
         driver.busy = lambda: True
-        # The closing exchange: both sides send BYE as their last message, then take (and drop) whatever the
-        # other still sends until its BYE: every send either side has under way then completes, and so do
-        # the endpoint closes after it. A request UCX never completes holds its endpoint, and the endpoint
-        # its worker, for good (the worker is only progressed while this runs).
-        self._send_bye()
+        self._send_bye()  # a dissoc peer learns it at once; any other peer drops an unknown tag
         with contextlib.suppress(Exception):
             driver.worker.cancel_inflight_requests(0, 1)  # receives posted for consumers now gone
-        deadline = self._loop.time() + _RELEASE_WAIT
-        closing: list[Any] = []
-        closed = False
-        if self._peer_gone and not self._peer_bye:
-            # The peer died (no exchange to have): close at once, before anything else can end the process.
-            closing, closed = self._close_endpoints(), True
         try:
-            while self._loop.time() < deadline:
-                driver.complete()
-                if not closed:
-                    self._discard_incoming()
-                    peer_done = self._peer_bye or not endpoint_alive(self._bootstrap)
-                    if peer_done and not driver.pending:
-                        closed = True
-                        closing = self._close_endpoints()
-                if closed and all(_completed(r) for r in closing) and self._am.reap():
-                    break
-                driver.kick()
-                if not self._bootstrap_driver.closed:
-                    self._bootstrap_driver.kick()
-                await asyncio.sleep(0.001)
-            else:
-                logger.debug(
-                    "%s: the closing exchange did not complete in %s s", self._description, _RELEASE_WAIT
-                )
-                if not closed:
-                    self._close_endpoints()
+            if self._exchange and not (self._peer_gone and not self._peer_bye):
+                await self._progress_until(self._exchange_done, "the closing exchange")
+            closing = self._close_endpoints()
+            await self._progress_until(
+                lambda: all(_completed(r) for r in closing) and not driver.pending and self._am.reap(),
+                "closing the endpoints",
+            )
         finally:
             driver.close()
             self._am.abandon()
@@ -480,14 +466,41 @@ class UcxConnection(Connection):
             self._bootstrap = None
             self._worker = None
 
+    def _exchange_done(self) -> bool:
+        """Whether the peer has said BYE (or gone) and every send of ours completed."""
+        self._discard_incoming()
+        peer_done = self._peer_bye or not endpoint_alive(self._bootstrap)
+        return peer_done and not self._driver.pending
+
+    async def _progress_until(self, done: Callable[[], bool], what: str) -> None:
+        """Progress the worker until ``done()`` (at most ``_RELEASE_WAIT`` seconds)."""
+        driver = self._driver
+        deadline = self._loop.time() + _RELEASE_WAIT
+        while True:
+            driver.complete()
+            if done():
+                return
+            if self._loop.time() >= deadline:
+                logger.debug("%s: %s did not complete in %s s", self._description, what, _RELEASE_WAIT)
+                return
+            driver.kick()
+            if not self._bootstrap_driver.closed:
+                self._bootstrap_driver.kick()
+            await asyncio.sleep(0.001)
+
     def _close_endpoints(self) -> list[Any]:
         """Start closing both endpoints; returns ucxx's close requests."""
         closing: list[Any] = []
         endpoints = [self._ep] if self._bootstrap is self._ep else [self._ep, self._bootstrap]
+        dead = self._peer_gone and not self._peer_bye
         for endpoint in endpoints:
             if endpoint_alive(endpoint):
                 with contextlib.suppress(Exception):
-                    request = endpoint.close()
+                    request = (
+                        endpoint.close(force=True)
+                        if dead and isinstance(endpoint, RawEndpoint)
+                        else endpoint.close()
+                    )
                     if request is not None:
                         closing.append(request)
         return closing
@@ -651,6 +664,7 @@ async def connect_ucx(
                     max_message_bytes=max_message_bytes,
                     max_buffered_bytes=max_buffered_bytes,
                     allocator=allocator,
+                    closing_exchange=False,
                 )
             try:
                 endpoint = client_worker.create_endpoint_from_worker_address(
@@ -667,6 +681,7 @@ async def connect_ucx(
                 max_message_bytes=max_message_bytes,
                 max_buffered_bytes=max_buffered_bytes,
                 allocator=allocator,
+                closing_exchange=not error_handling,
             )
     except TimeoutError as exc:
         driver.close()

@@ -30,6 +30,8 @@ from dissoc.transport.ucx.libucp import (
     UCP_EP_PARAM_FIELD_CONN_REQUEST,
     UCP_EP_PARAM_FIELD_ERR_HANDLER,
     UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+    UCP_EP_PARAM_FIELD_REMOTE_ADDRESS,
+    UCP_ERR_HANDLING_MODE_NONE,
     UCP_ERR_HANDLING_MODE_PEER,
     UCP_OP_ATTR_FIELD_FLAGS,
     UCS_INPROGRESS,
@@ -115,23 +117,39 @@ ctypes.pythonapi.Py_IncRef(ctypes.py_object(_ERR_CALLBACK))
 
 
 class RawEndpoint:
-    """The endpoint of a connection accepted from ``conn_request`` on ``worker`` (a ``ucp_worker_h``),
-    with peer-failure handling on (a listener's connections go over TCP: nothing is lost by it)."""
+    """An endpoint on ``worker`` (a ``ucp_worker_h``): of a connection accepted from ``conn_request``, or to a
+    peer worker's ``address``. ``error_handling``: UCX peer-failure handling (on for accepted connections,
+    which go over TCP anyway; off for same-host worker-address endpoints, which it would keep off shared
+    memory)."""
 
-    def __init__(self, worker: int, conn_request: int, description: str) -> None:
+    def __init__(
+        self,
+        worker: int,
+        description: str,
+        *,
+        conn_request: int | None = None,
+        address: bytes | None = None,
+        error_handling: bool = True,
+    ) -> None:
         self._id = next(_IDS)
         self._description = description
         self._status = UCS_INPROGRESS
         self._closing = False
+        self._error_handling = error_handling
         self._close_callback: Callable[..., object] | None = None
         params = UcpEpParams()
-        params.field_mask = (
-            UCP_EP_PARAM_FIELD_CONN_REQUEST
-            | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
-            | UCP_EP_PARAM_FIELD_ERR_HANDLER
-        )
-        params.conn_request = conn_request
-        params.err_mode = UCP_ERR_HANDLING_MODE_PEER
+        params.field_mask = UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER
+        keep: object = None
+        if conn_request is not None:
+            params.field_mask |= UCP_EP_PARAM_FIELD_CONN_REQUEST
+            params.conn_request = conn_request
+        elif address is not None:
+            keep = ctypes.create_string_buffer(address, len(address))
+            params.field_mask |= UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+            params.address = ctypes.addressof(keep)
+        else:
+            raise TransportError(f"{description}: an endpoint needs a connection request or a worker address")
+        params.err_mode = UCP_ERR_HANDLING_MODE_PEER if error_handling else UCP_ERR_HANDLING_MODE_NONE
         params.err_handler.cb = ctypes.cast(_ERR_CALLBACK, ctypes.c_void_p).value
         params.err_handler.arg = self._id
         handle = ctypes.c_void_p()
@@ -141,6 +159,7 @@ class RawEndpoint:
         except TransportError:
             del _ENDPOINTS[self._id]
             raise
+        del keep
         self._ep: int | None = int(handle.value or 0)
 
     @property
@@ -197,15 +216,22 @@ class RawEndpoint:
         )
         return RawRequest(ptr, array, f"{self._description}: {what}")
 
-    def close(self) -> RawRequest | None:
-        """Close the endpoint (forcefully: outstanding sends are cancelled); None if already closed."""
+    def close(self, force: bool | None = None) -> RawRequest | None:
+        """Close the endpoint; None if already closed.
+
+        Forcefully (outstanding sends are cancelled, nothing waits for the peer) when ``force`` says so,
+        by default with peer-failure handling on. A peer known to be dead is closed forcefully whatever the
+        mode: a flush towards it would never complete, and its request would hold the worker for good.
+        """
         if self._ep is None or self._closing:
             return None
         self._closing = True
         self._close_callback = None
         ep, self._ep = self._ep, None
         _ENDPOINTS.pop(self._id, None)
-        ptr = lib().ucp_ep_close_nbx(ep, ctypes.byref(self._param(UCP_EP_CLOSE_FLAG_FORCE)))
+        forced = self._error_handling if force is None else force
+        param = self._param(UCP_EP_CLOSE_FLAG_FORCE) if forced else self._param()
+        ptr = lib().ucp_ep_close_nbx(ep, ctypes.byref(param))
         return RawRequest(ptr, None, f"{self._description}: closing the endpoint")
 
 

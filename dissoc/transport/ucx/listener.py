@@ -267,10 +267,23 @@ class UcxListener(Listener):
                 client = lib.UCXAddress.create_from_buffer(client_address)
                 worker = lib.UCXWorker(ucx_context())
                 driver = Driver(worker, self._loop, description)
-                endpoint = worker.create_endpoint_from_worker_address(client, self._error_handling)
+                # dissoc's own endpoint (not ucxx's): closed forcefully when the client dies, which a ucxx
+                # endpoint without peer-failure handling cannot be (its sends would hold the worker).
+                endpoint = RawEndpoint(
+                    int(worker.handle),
+                    description,
+                    address=client_address,
+                    error_handling=self._error_handling,
+                )
                 monitor = open_monitor(client)
                 connection = UcxConnection(
-                    driver, endpoint, monitor, self._driver, description=description, **self._limits
+                    driver,
+                    endpoint,
+                    monitor,
+                    self._driver,
+                    description=description,
+                    closing_exchange=not self._error_handling,
+                    **self._limits,
                 )
                 try:
                     await reply(monitor, MAGIC + bytes(worker.address.tobytes()))
@@ -334,9 +347,15 @@ class UcxListener(Listener):
             try:
                 worker = self._lib.UCXWorker(ucx_context())
                 driver = Driver(worker, self._loop, description)
-                endpoint = RawEndpoint(int(worker.handle), conn_request, description)
+                endpoint = RawEndpoint(int(worker.handle), description, conn_request=conn_request)
                 connection = UcxConnection(
-                    driver, endpoint, endpoint, driver, description=description, **self._limits
+                    driver,
+                    endpoint,
+                    endpoint,
+                    driver,
+                    description=description,
+                    closing_exchange=False,
+                    **self._limits,
                 )
             except Exception as exc:
                 peer_log.log(
