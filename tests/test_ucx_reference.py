@@ -657,6 +657,7 @@ def test_reference_client_pairs_over_shared_memory_and_free_data(
 
 
 def fd_count(pid: int) -> int:
+    """The descriptors process ``pid`` has open (UCX workers, endpoints and shared memory hold some)."""
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
