@@ -858,7 +858,9 @@ def test_a_client_that_never_sends_want_data_is_dropped(robust_server: tuple[Any
 REF_SERVER = textwrap.dedent(
     '''
     """A reference-style Dissociated IPC server over UCX, with ucxx and pyarrow only: serves the IPC files
-    given (ticket = file stem) to one client at a time. argv: WANT_DATA FILE..."""
+    given (ticket = file stem) to one client at a time. argv: ROLE WANT_DATA FILE..., where ROLE is
+    ``combined`` (metadata stream and bodies), ``metadata`` (the metadata stream only) or ``data`` (the
+    bodies only: the split layout's two servers)."""
     import json, os, signal, struct, sys, time
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import pyarrow as pa
@@ -866,7 +868,8 @@ REF_SERVER = textwrap.dedent(
     from ucxx._lib.arr import Array
 
     ALL = 0xFFFFFFFFFFFFFFFF
-    want_data = int(sys.argv[1])
+    role, want_data = sys.argv[1], int(sys.argv[2])
+    send_metadata, send_bodies = role in ("combined", "metadata"), role in ("combined", "data")
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
 
@@ -895,7 +898,7 @@ REF_SERVER = textwrap.dedent(
             pos += 8 + length + size
 
 
-    streams = {os.path.splitext(os.path.basename(p))[0]: split_stream(p) for p in sys.argv[2:]}
+    streams = {os.path.splitext(os.path.basename(p))[0]: split_stream(p) for p in sys.argv[3:]}
     context = lib.UCXContext({}, (lib.Feature.TAG, lib.Feature.AM))
     worker = lib.UCXWorker(context)
     accepted = []
@@ -955,16 +958,20 @@ REF_SERVER = textwrap.dedent(
             name = bytes(ticket[: int(probe.length)]).decode(errors="replace")
             messages = streams.get(name)
             if messages is None:
+                if not send_metadata:
+                    continue
                 error = json.dumps({"code": "unknown_ticket", "message": f"no {name!r}"}).encode()
                 wait(ep, *send_am(ep, struct.pack("<BI", 0xE0, 0) + error))
                 continue
             # every send of the stream is posted at once (metadata, then its body), then all are waited for
             sent = []
             for seq, (metadata, body) in enumerate(messages):
-                sent.append(send_am(ep, struct.pack("<BI", 1, seq) + metadata))
-                if seq:
+                if send_metadata:
+                    sent.append(send_am(ep, struct.pack("<BI", 1, seq) + metadata))
+                if seq and send_bodies:
                     sent.append(send_tagged(ep, seq, body))  # body type 0: the tag is the seq
-            sent.append(send_am(ep, struct.pack("<BI", 0, len(messages))))
+            if send_metadata:
+                sent.append(send_am(ep, struct.pack("<BI", 0, len(messages))))
             for request, keep in sent:
                 wait(ep, request, keep)
             print(json.dumps({"served": name, "messages": len(messages)}), file=sys.stderr, flush=True)
@@ -995,39 +1002,69 @@ REF_SERVER = textwrap.dedent(
 @pytest.fixture(scope="module")
 def ref_server(served: dict[str, Path]) -> Iterator[str]:
     """The reference-style server (ucxx + pyarrow only) serving plain and mixed: its URI (no ``worker=``)."""
-    argv = ["-c", REF_SERVER, "51", str(served["plain"]), str(served["mixed"])]
+    with ref_server_process(served, "combined", 51) as uri:
+        yield uri
+
+
+@pytest.fixture(scope="module")
+def ref_split_servers(served: dict[str, Path]) -> Iterator[tuple[str, str]]:
+    """The split layout's two reference-style servers (metadata stream; bodies): their URIs."""
+    with ref_server_process(served, "metadata", 61) as uri, ref_server_process(served, "data", 62) as data:
+        yield uri, data
+
+
+@contextlib.contextmanager
+def ref_server_process(served: dict[str, Path], role: str, want_data: int) -> Iterator[str]:
+    """``REF_SERVER`` in a child process serving plain and mixed in ``role``: its URI."""
+    argv = ["-c", REF_SERVER, role, str(want_data), str(served["plain"]), str(served["mixed"])]
     with child_server(argv, 1) as (_, lines):
         assert lines[0]["tickets"] == ["mixed", "plain"]
         yield str(lines[0]["uri"])
 
 
-def test_the_reference_client_and_server_of_this_file_agree(ref_server: str) -> None:
-    """The test's own reference client fetches from the test's own reference server (both ucxx only): the
-    two halves of this file speak the same mapping, so a failure of the tests against dissoc is dissoc's."""
+@pytest.fixture(params=["combined", "split"])
+def ref_uris(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """The reference-style server's (metadata URI, data URI): the same when combined."""
+    if request.param == "combined":
+        uri: str = request.getfixturevalue("ref_server")
+        return uri, uri
+    uris: tuple[str, str] = request.getfixturevalue("ref_split_servers")
+    return uris
+
+
+def test_the_reference_client_and_server_of_this_file_agree(ref_uris: tuple[str, str]) -> None:
+    """The test's own reference client fetches from the test's own reference server(s) (both ucxx only),
+    combined and split: the two halves of this file speak the same mapping, so a failure of the tests
+    against dissoc is dissoc's."""
     for ticket in ["plain", "mixed"]:
-        client = RefClient(ref_server)
+        meta, data = _connect(ref_uris)
         try:
-            table, info = ref_fetch(client, client, ticket.encode())
+            table, info = ref_fetch(meta, data, ticket.encode())
             assert table.equals(SERVED[ticket])
             assert info["types"] == TYPES[ticket]
-            assert_nothing_else_arrives(client)
+            assert_nothing_else_arrives(data)
         finally:
-            client.close()
+            _close(meta, data)
 
 
 @pytest.mark.parametrize("ticket", ["plain", "mixed"])
 @pytest.mark.parametrize("path", ["listener", "auto"])
-def test_dissoc_client_fetches_from_a_reference_style_server(ref_server: str, path: str, ticket: str) -> None:
-    """dissoc's client fetches from a server that follows the reference mapping and knows no handshake:
-    forced onto the listener path (``ClientOptions(ucx_path="listener")``) and, with the default ``auto``,
-    chosen because the URI has no ``worker=``. The table equals the source."""
+def test_dissoc_client_fetches_from_a_reference_style_server(
+    ref_uris: tuple[str, str], path: str, ticket: str
+) -> None:
+    """dissoc's client fetches from a server that follows the reference mapping and knows no handshake
+    (combined, and split: the metadata stream from one, the bodies from the other): forced onto the
+    listener path (``ClientOptions(ucx_path="listener")``) and, with the default ``auto``, chosen because
+    the URIs have no ``worker=``. The table equals the source."""
     from dissoc.client import ClientOptions, fetch_async
 
-    assert "worker=" not in ref_server
+    uri, data_uri = ref_uris
+    assert "worker=" not in uri + data_uri
     options = ClientOptions(timeout=10.0, ucx_path=path)
 
     async def fetch() -> pa.Table:
-        return await asyncio.wait_for(fetch_async(ref_server, ticket, options=options), 60)
+        got = fetch_async(uri, ticket, data_uri=None if data_uri == uri else data_uri, options=options)
+        return await asyncio.wait_for(got, 60)
 
     table = asyncio.run(fetch())
     assert table.equals(SERVED[ticket]), ticket
