@@ -858,7 +858,9 @@ def test_a_client_that_never_sends_want_data_is_dropped(robust_server: tuple[Any
 REF_SERVER = textwrap.dedent(
     '''
     """A reference-style Dissociated IPC server over UCX, with ucxx and pyarrow only: serves the IPC files
-    given (ticket = file stem) to one client at a time. argv: ROLE WANT_DATA FILE..., where ROLE is
+    given (ticket = file stem) to one client at a time (the newest: an idle client is set aside when
+    another connects, as a tagged receive on the one worker cannot tell them apart), telling the test on
+    stdout when a connection comes and when it goes. argv: ROLE WANT_DATA FILE..., where ROLE is
     ``combined`` (metadata stream and bodies), ``metadata`` (the metadata stream only) or ``data`` (the
     bodies only: the split layout's two servers)."""
     import json, os, signal, struct, sys, time
@@ -933,21 +935,30 @@ REF_SERVER = textwrap.dedent(
         return ep.tag_send(array, lib.UCXXTag(tag)), (array, data)
 
 
-    def drain():
-        """Drop every tagged message left on the worker (a previous client's)."""
-        while True:
-            probe = worker.tag_probe(lib.UCXXTag(0), lib.UCXXTagMask(0), True)
-            if not probe.matched:
-                return
-            buffer = bytearray(max(1, int(probe.length)))
-            request = worker.tag_recv_with_handle(Array(buffer), probe)
-            while not request.completed:
-                worker.progress()
+    def event(**what):
+        """A line on stdout for the test: {"accepted": n} and {"gone": n} (connection n's endpoint failed:
+        its client closed it or died)."""
+        print(json.dumps(what), flush=True)
+
+
+    lingering = []  # (n, endpoint) of clients that went idle while a newer one connected
+
+
+    def reap():
+        for n, old in list(lingering):
+            if not old.alive:
+                lingering.remove((n, old))
+                event(gone=n)
 
 
     def serve(ep):
+        """Answer ep's want_data until it leaves (True) or, idle, another client connects (False: the newer
+        one is served from now on; this one lingers until it leaves)."""
         while not stop and ep.alive:
             worker.progress()
+            reap()
+            if accepted:  # checked before probing: a want_data from now on is the newer client's
+                return False
             probe = worker.tag_probe(lib.UCXXTag(want_data), lib.UCXXTagMask(ALL), True)
             if not probe.matched:
                 time.sleep(0.0005)
@@ -975,26 +986,28 @@ REF_SERVER = textwrap.dedent(
             for request, keep in sent:
                 wait(ep, request, keep)
             print(json.dumps({"served": name, "messages": len(messages)}), file=sys.stderr, flush=True)
+        return True
 
 
+    count = 0
     while not stop:
         worker.progress()
+        reap()
         if not accepted:
             time.sleep(0.001)
             continue
         ep = accepted.pop(0)
+        count += 1
+        event(accepted=count)
         try:
-            serve(ep)
+            gone = serve(ep)
         except ConnectionError:
-            pass
-        if ep.alive:
-            ep.close()
-            deadline = time.monotonic() + 2
-            while ep.alive and time.monotonic() < deadline:
-                worker.progress()
-                time.sleep(0.001)
+            gone = True
+        if not gone:
+            lingering.append((count, ep))
+        elif not ep.alive:
+            event(gone=count)
         del ep
-        drain()
     '''
 )
 
@@ -1002,24 +1015,27 @@ REF_SERVER = textwrap.dedent(
 @pytest.fixture(scope="module")
 def ref_server(served: dict[str, Path]) -> Iterator[str]:
     """The reference-style server (ucxx + pyarrow only) serving plain and mixed: its URI (no ``worker=``)."""
-    with ref_server_process(served, "combined", 51) as uri:
+    with ref_server_process(served, "combined", 51) as (_, uri):
         yield uri
 
 
 @pytest.fixture(scope="module")
 def ref_split_servers(served: dict[str, Path]) -> Iterator[tuple[str, str]]:
     """The split layout's two reference-style servers (metadata stream; bodies): their URIs."""
-    with ref_server_process(served, "metadata", 61) as uri, ref_server_process(served, "data", 62) as data:
-        yield uri, data
+    meta, data = ref_server_process(served, "metadata", 61), ref_server_process(served, "data", 62)
+    with meta as (_, uri), data as (_, data_uri):
+        yield uri, data_uri
 
 
 @contextlib.contextmanager
-def ref_server_process(served: dict[str, Path], role: str, want_data: int) -> Iterator[str]:
-    """``REF_SERVER`` in a child process serving plain and mixed in ``role``: its URI."""
+def ref_server_process(
+    served: dict[str, Path], role: str, want_data: int
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """``REF_SERVER`` in a child process serving plain and mixed in ``role``: the process and its URI."""
     argv = ["-c", REF_SERVER, role, str(want_data), str(served["plain"]), str(served["mixed"])]
-    with child_server(argv, 1) as (_, lines):
+    with child_server(argv, 1) as (proc, lines):
         assert lines[0]["tickets"] == ["mixed", "plain"]
-        yield str(lines[0]["uri"])
+        yield proc, str(lines[0]["uri"])
 
 
 @pytest.fixture(params=["combined", "split"])
@@ -1069,6 +1085,32 @@ def test_dissoc_client_fetches_from_a_reference_style_server(
     table = asyncio.run(fetch())
     assert table.equals(SERVED[ticket]), ticket
     assert table.schema.equals(SERVED[ticket].schema)
+
+
+def test_dissoc_client_lets_go_of_a_reference_style_server(served: dict[str, Path]) -> None:
+    """After a fetch, dissoc's client closes its connection so that a reference-style server notices (its
+    endpoint, peer-failure handling on, fails) within a few seconds, though such a server sends no BYE of
+    its own: a server that gives each connection a worker, as the reference does, is not left holding one
+    per fetch until the client process exits."""
+    from dissoc.client import ClientOptions, fetch_async
+
+    with ref_server_process(served, "combined", 51) as (proc, uri):
+        options = ClientOptions(timeout=10.0, ucx_path="listener")
+
+        async def fetch() -> pa.Table:
+            return await asyncio.wait_for(fetch_async(uri, "plain", options=options), 60)
+
+        assert asyncio.run(fetch()).equals(SERVED["plain"])
+        events = [json.loads(line) for line in read_lines(proc, 1, 5)]
+        assert events[0] == {"accepted": 1}
+        if len(events) == 1:
+            try:
+                events += [json.loads(line) for line in read_lines(proc, 1, 10)]
+            except AssertionError:
+                raise AssertionError(
+                    "the reference-style server still holds dissoc's client's connection 10 s after the fetch"
+                ) from None
+        assert events[1] == {"gone": 1}
 
 
 def without_worker(uri: str) -> str:
