@@ -20,7 +20,13 @@ Paths (rows of the table), all serving one Arrow IPC file written beforehand and
 - ``dissoc-ucx-address``   the same, connecting straight to the server's worker address
   (``ucx_path="address"``);
 - ``dissoc-ucx-pairs-rma`` ``--transport ucx --body pairs --memory ucx``: the client reads each batch's
-  buffers with UCX RMA gets from the server's registered arena.
+  buffers with UCX RMA gets from the server's registered arena;
+- ``dissoc-ucx-reference`` ``--transport ucx`` (packed bodies) read the way the reference mapping is
+  (apache/arrow-experiments ``dissociated-ipc/``, issue 18): the server's URIs are given to the client
+  without their ``worker=`` parameter, as a reference-style server publishes them, and the client's default
+  ``ucx_path="auto"`` then connects through the listener and asks with want_data straight away, no
+  handshake (everything on the listener's endpoint; UCX restricts those to TCP unless the server moves the
+  connection). Compare it with ``dissoc-ucx-address`` (today's fastest UCX path) and the raw ucxx anchors.
 
 Anchors (``_anchors.py``): ``numpy-copy`` (one ``np.copyto`` per batch, the memory-bandwidth ceiling),
 ``flight-do-get``, ``ipc-stream-socket`` and ``ucxx-raw``: a minimal ucxx sender subprocess sending each
@@ -65,6 +71,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -220,9 +227,11 @@ def dissoc_path(
     memory: str | None = None,
     fields: ClientFields | None = None,
     tls: bool = False,
+    publish_worker: bool = True,
 ) -> PathFactory:
     """A dissoc server subprocess (``--transport``; pairs in ``memory`` when given; inside TLS with ``tls``)
-    read by the client with ``ClientOptions(**fields)``."""
+    read by the client with ``ClientOptions(**fields)``; with ``publish_worker=False`` the client gets the
+    server's URIs without their ``worker=`` parameter (the reference-style path, module docstring)."""
 
     def factory(dataset: Dataset, stack: contextlib.ExitStack) -> Transfer:
         path_fields = fields
@@ -257,6 +266,9 @@ def dissoc_path(
             raise Unavailable(f"dissoc serve printed {info}, without {exc}") from None
         data_uri = info.get("data_uri")
         data_uri = None if data_uri in (None, uri) else str(data_uri)
+        if not publish_worker:
+            uri = _without_worker(uri)
+            data_uri = None if data_uri is None else _without_worker(data_uri)
         if split and data_uri is None:
             raise Unavailable(f"dissoc serve --split printed no separate data_uri: {info}")
         _API_USED[label] = api + (
@@ -269,6 +281,13 @@ def dissoc_path(
         return transfer
 
     return factory
+
+
+def _without_worker(uri: str) -> str:
+    """``uri`` without its ``worker=`` query parameter (as a reference-style server publishes a ucx URI)."""
+    parts = urllib.parse.urlsplit(uri)
+    query = "&".join(p for p in parts.query.split("&") if p.split("=", 1)[0] != "worker")
+    return urllib.parse.urlunsplit(parts._replace(query=query))
 
 
 def _dissoc_row(slug: str, label: str, transport: str, **kwargs: Any) -> tuple[str, str, PathFactory]:
@@ -292,6 +311,7 @@ PATHS: list[tuple[str, str, PathFactory]] = [
     _dissoc_row("dissoc-ucx-listener", "dissoc ucx listener", "ucx", fields={"ucx_path": "listener"}),
     _dissoc_row("dissoc-ucx-address", "dissoc ucx address", "ucx", fields={"ucx_path": "address"}),
     _dissoc_row("dissoc-ucx-pairs-rma", "dissoc ucx pairs-rma", "ucx", memory="ucx"),
+    _dissoc_row("dissoc-ucx-reference", "dissoc ucx reference", "ucx", publish_worker=False),
 ]
 
 
