@@ -232,3 +232,56 @@ async def test_ucx_streams_closed_mid_way_release_the_server(sources: Any) -> No
         )
         assert fds <= base_fds, f"the server holds {fds - base_fds} more fds after 24 abandoned streams"
         assert end_rss <= base_rss + RSS_MARGIN
+
+
+_KILLED_CHILD = """
+import asyncio, sys
+from dissoc.client import ClientOptions, stream_batches
+
+async def main(uri, ticket, path):
+    seen = 0
+    async for _ in stream_batches(uri, ticket, options=ClientOptions(timeout=30, ucx_path=path)):
+        seen += 1
+        if seen == 2:
+            print("reading", flush=True)
+            await asyncio.sleep(60)  # killed here, with the server's next sends under way
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+@pytest.mark.ucx
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", ["address", "listener"])
+async def test_ucx_clients_killed_mid_stream_release_the_server(sources: Any, path: str) -> None:
+    """Clients SIGKILLed mid-stream, while the server has sends under way to them, on both connection paths:
+    the server's per-connection workers all go (same-host endpoints are closed forcefully once the peer is
+    known dead, and what UCX never completes is given up with the worker), so its fds come back exactly."""
+    import subprocess
+    import sys
+
+    tables, paths = sources
+    name = next(n for n, t in tables.items() if len(t.to_batches()) >= 4)
+    with serve_process("--transport", "ucx", *paths, count=len(paths)) as (proc, lines):
+        uri = lines[name]["uri"]
+        await within(60, _abandon(uri, name, 2), "warm-up")
+        base_fds = await _steady_fds(proc.pid)
+        for _ in range(3):
+            child = subprocess.Popen(
+                [sys.executable, "-c", _KILLED_CHILD, uri, name, path],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+            )
+            try:
+                assert child.stdout is not None
+                line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 30)
+                assert line.strip() == b"reading", line
+            finally:
+                child.kill()
+                child.wait(10)
+                if child.stdout is not None:
+                    child.stdout.close()
+        fds = await _settled(proc.pid, base_fds, 10)
+        print(f"\n3 UCX clients killed mid-stream ({path} path): server fds {base_fds} -> {fds}")
+        assert fds <= base_fds, f"the server holds {fds - base_fds} more fds after 3 killed clients"
+        assert proc.poll() is None

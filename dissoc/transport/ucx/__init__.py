@@ -33,11 +33,13 @@ rendezvous announcement only, so the sender waits: UCX's own flow control). Acti
 they arrive, by :class:`~dissoc.transport.ucx.am.AmReceiver` (their size is checked before anything is
 allocated), and handed to the inbox in order while reading is admitted.
 
-**Closing** is an exchange: each side sends ``BYE_TAG`` as its last message, then takes and drops what the
-other still sends until the other's ``BYE_TAG`` (so every send under way completes on both sides), then closes
-its endpoints and waits for UCX to complete the closes. A UCX request that never completes holds its endpoint,
-and the endpoint its worker, for the life of the process; so would a receive left in ucxx's queues, which is
-why active messages do not go through them.
+**Closing** (:meth:`UcxConnection._release`): endpoints with peer-failure handling (the listener path) are
+closed forcefully; the same-host path's data endpoints first have an exchange: each side sends ``BYE_TAG`` as
+its last message, then takes and drops what the other still sends until the other's ``BYE_TAG`` (so every
+send under way completes on both sides), then closes; a peer known dead is closed forcefully, and a send UCX
+never completes is given up with the worker. A UCX request that never completes, or a receive left in
+ucxx's queues, would hold its endpoint and worker for the life of the process; hence dissoc's own endpoints
+for accepted connections and its own active-message receiving.
 
 **Sending.** One UCX message per message: a single buffer is sent as is (held until UCX completes the send);
 a list of buffers is first gathered into one (a copy). ``send`` returns when UCX has completed the request.

@@ -31,7 +31,7 @@ from dissoc.transport.base import (
 )
 from dissoc.transport.ucx.am import AmReceiver
 from dissoc.transport.ucx.driver import MAX_ROUNDS, Driver, Pending
-from dissoc.transport.ucx.endpoint import RawEndpoint, flush
+from dissoc.transport.ucx.endpoint import RawEndpoint, RawRequest, flush
 from dissoc.transport.ucx.handshake import (
     BYE_TAG,
     HELLO_TAG,
@@ -452,13 +452,32 @@ class UcxConnection(Connection):
         with contextlib.suppress(Exception):
             driver.worker.cancel_inflight_requests(0, 1)  # receives posted for consumers now gone
         try:
+            answered = True
             if self._exchange and not (self._peer_gone and not self._peer_bye):
-                await self._progress_until(self._exchange_done, "the closing exchange")
-            closing = self._close_endpoints()
-            await self._progress_until(
+                answered = await self._progress_until(self._exchange_done, "the closing exchange")
+            # A peer that died, or did not answer within the wait, is closed forcefully: a flush towards it
+            # would never complete.
+            force = not answered or not endpoint_alive(self._bootstrap)
+            closing = self._close_endpoints(force=force)
+            if force:
+                # A send towards a dead peer that the forced close left under way (UCX's shared-memory
+                # rendezvous keeps some): cancel it too.
+                handle = int(driver.worker.handle)
+                for item in driver.pending:
+                    if isinstance(item.request, RawRequest) and not item.request.completed:
+                        item.request.cancel(handle)
+            if not await self._progress_until(
                 lambda: all(_completed(r) for r in closing) and not driver.pending and self._am.reap(),
                 "closing the endpoints",
-            )
+            ):
+                logger.debug(
+                    "%s: %d of %d closes, %d other requests and %s arriving messages left",
+                    self._description,
+                    sum(not _completed(r) for r in closing),
+                    len(closing),
+                    len(driver.pending),
+                    "some" if not self._am.reap() else "no",
+                )
         finally:
             driver.close()
             self._am.abandon()
@@ -472,37 +491,38 @@ class UcxConnection(Connection):
         peer_done = self._peer_bye or not endpoint_alive(self._bootstrap)
         return peer_done and not self._driver.pending
 
-    async def _progress_until(self, done: Callable[[], bool], what: str) -> None:
-        """Progress the worker until ``done()`` (at most ``_RELEASE_WAIT`` seconds)."""
+    async def _progress_until(self, done: Callable[[], bool], what: str) -> bool:
+        """Progress the worker until ``done()`` (True) or for at most ``_RELEASE_WAIT`` seconds (False)."""
         driver = self._driver
         deadline = self._loop.time() + _RELEASE_WAIT
         while True:
             driver.complete()
             if done():
-                return
+                return True
             if self._loop.time() >= deadline:
                 logger.debug("%s: %s did not complete in %s s", self._description, what, _RELEASE_WAIT)
-                return
+                return False
             driver.kick()
             if not self._bootstrap_driver.closed:
                 self._bootstrap_driver.kick()
             await asyncio.sleep(0.001)
 
-    def _close_endpoints(self) -> list[Any]:
-        """Start closing both endpoints; returns ucxx's close requests."""
+    def _close_endpoints(self, force: bool = False) -> list[Any]:
+        """Start closing both endpoints (dissoc's own forcefully with ``force``, or when the peer died);
+        returns the close requests."""
         closing: list[Any] = []
         endpoints = [self._ep] if self._bootstrap is self._ep else [self._ep, self._bootstrap]
-        dead = self._peer_gone and not self._peer_bye
+        dead = force or (self._peer_gone and not self._peer_bye)
         for endpoint in endpoints:
-            if endpoint_alive(endpoint):
+            request = None
+            if isinstance(endpoint, RawEndpoint):
+                # Failed or not, dissoc's own endpoint is closed: UCX releases a failed one only then.
+                request = endpoint.close(force=True if dead or not endpoint.alive else None)
+            elif endpoint_alive(endpoint):
                 with contextlib.suppress(Exception):
-                    request = (
-                        endpoint.close(force=True)
-                        if dead and isinstance(endpoint, RawEndpoint)
-                        else endpoint.close()
-                    )
-                    if request is not None:
-                        closing.append(request)
+                    request = endpoint.close()
+            if request is not None:
+                closing.append(request)
         return closing
 
     def _discard_incoming(self) -> None:

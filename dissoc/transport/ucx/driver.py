@@ -50,6 +50,8 @@ class Driver:
         self.on_error: Callable[[DissocError], None] = lambda exc: None
         #: Outstanding requests; the owner may add its own (with or without a waiter) to keep their buffers.
         self.pending: list[Pending] = []
+        #: Buffers of requests given up on at close (see close), kept as long as the worker.
+        self.orphans: list[tuple[object, object]] = []
         self._scheduled = False
         self._guard: asyncio.TimerHandle | None = None
         self._closed = False
@@ -184,7 +186,16 @@ class Driver:
         # Requests UCX has not completed may still use their buffers: keep those (and the worker) alive
         # until they complete, checked whenever a driver closes.
         _ABANDONED[:] = [(p, w) for p, w in _ABANDONED if not p.request.completed]
-        _ABANDONED.extend((p, self.worker) for p in self.pending if not p.request.completed)
+        for item in self.pending:
+            if item.request.completed:
+                continue
+            orphan = getattr(item.request, "orphan", None)
+            if orphan is not None:
+                # dissoc's own request (libucp's, through ctypes): the worker need not stay for it, only
+                # the memory UCX might read until the worker is destroyed, which goes with this driver.
+                self.orphans.append((orphan(), item.keep))
+            else:
+                _ABANDONED.append((item, self.worker))
         self.pending = []
         # The owner's callbacks refer back to it (and it to this driver): without them the cycle is gone, so
         # the worker is destroyed as soon as its owner lets go, not when the garbage collector next runs.

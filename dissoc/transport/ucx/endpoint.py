@@ -34,6 +34,7 @@ from dissoc.transport.ucx.libucp import (
     UCP_ERR_HANDLING_MODE_NONE,
     UCP_ERR_HANDLING_MODE_PEER,
     UCP_OP_ATTR_FIELD_FLAGS,
+    UCS_ERR_CANCELED,
     UCS_INPROGRESS,
     UCS_OK,
     UcpEpParams,
@@ -94,6 +95,19 @@ class RawRequest:
                 self._status = status
                 self._keep = None
         return self._status != UCS_INPROGRESS
+
+    def orphan(self) -> object:
+        """Forget the request for good (its worker is about to go, and UCX with it); returns what it kept
+        alive, which UCX may still read until the worker is destroyed."""
+        keep, self._keep, self._ptr = self._keep, None, None
+        if self._status == UCS_INPROGRESS:
+            self._status = UCS_ERR_CANCELED
+        return keep
+
+    def cancel(self, worker: int) -> None:
+        """Ask UCX to cancel the request (it completes, cancelled, at a later progress call)."""
+        if self._status == UCS_INPROGRESS and self._ptr is not None:
+            lib().ucp_request_cancel(worker, self._ptr)
 
     def check_error(self) -> None:
         """Raise TransportError when the request failed."""
