@@ -16,7 +16,8 @@ Paths (rows of the table), all serving one Arrow IPC file written beforehand and
 - ``dissoc-tcp-pairs-shm-zc`` the same read zero-copy (``ClientOptions(zero_copy=True)``: batches over the
   mapped segment, freed when released);
 - ``dissoc-ucx-listener``  ``--transport ucx`` (packed bodies), the client connecting through the listener
-  (``ClientOptions(ucx_path="listener")``: TCP bootstrap, then per-connection workers joined by address);
+  (``ClientOptions(ucx_path="listener")``: the reference mapping's way, no handshake, everything on the
+  endpoint to host:port, which UCX runs over TCP; the server accepts it on a worker of its own);
 - ``dissoc-ucx-address``   the same, connecting straight to the server's worker address
   (``ucx_path="address"``);
 - ``dissoc-ucx-pairs-rma`` ``--transport ucx --body pairs --memory ucx``: the client reads each batch's
