@@ -561,6 +561,11 @@ def ucxx_raw_anon(dataset: Dataset, stack: contextlib.ExitStack) -> Transfer:
     return _ucx_anchor_module().ucxx_raw(dataset, stack, source="anon")  # type: ignore[no-any-return]
 
 
+def ucxx_raw_listener(dataset: Dataset, stack: contextlib.ExitStack) -> Transfer:
+    """The same over an endpoint connected to the sender's listener (TCP here): the listener path's anchor."""
+    return _ucx_anchor_module().ucxx_raw(dataset, stack, connect="listener")  # type: ignore[no-any-return]
+
+
 #: The anchors in table order: (slug, label, path).
 ANCHORS: list[tuple[str, str, PathFactory]] = [
     ("numpy-copy", "numpy copy", numpy_copy),
@@ -569,6 +574,7 @@ ANCHORS: list[tuple[str, str, PathFactory]] = [
     ("ucxx-raw", "ucxx raw", ucxx_raw),
     ("ucxx-raw-blocking", "ucxx raw blocking", ucxx_raw_blocking),
     ("ucxx-raw-anon", "ucxx raw anon-mem", ucxx_raw_anon),
+    ("ucxx-raw-listener", "ucxx raw listener", ucxx_raw_listener),
 ]
 
 

@@ -137,26 +137,36 @@ class _Endpoint:
 
 
 def ucxx_raw(
-    dataset: anchors.Dataset, stack: contextlib.ExitStack, source: str = "file", progress: str | None = None
+    dataset: anchors.Dataset,
+    stack: contextlib.ExitStack,
+    source: str = "file",
+    progress: str | None = None,
+    connect: str = "address",
 ) -> anchors.Transfer:
     """Raw ucxx tagged messages of ``batch.nbytes`` each from a sender subprocess (see the module docstring).
 
     ``source``: ``"file"`` sends from the memory-mapped IPC file (as the dissoc servers do), ``"anon"`` from
     anonymous memory (a numpy array, which numpy backs with transparent huge pages where it can).
-    ``progress``: ``"poll"`` or ``"blocking"`` (default: :data:`PROGRESS`).
+    ``progress``: ``"poll"`` or ``"blocking"`` (default: :data:`PROGRESS`). ``connect``: ``"address"`` joins
+    the workers by address (shared memory on one host); ``"listener"`` connects an endpoint to the sender's
+    listener (``host:port``, peer-failure handling on), as the reference mapping's clients do: the anchor for
+    dissoc's listener path, which UCX runs over TCP.
     """
     _lib()
     window, mode = max(1, WINDOW), progress or PROGRESS
     argv = [sys.executable, str(Path(__file__).resolve()), "serve", str(dataset.path)]
-    argv += ["--window", str(window), "--source", source, "--progress", mode]
+    argv += ["--window", str(window), "--source", source, "--progress", mode, "--connect", connect]
     (info,) = anchors.start_server(stack, argv)
     side = _Endpoint(mode)
-    side.connect(base64.b64decode(info["worker"]))
-    address = side.address
-    hello = np.zeros(HELLO_BYTES, dtype=np.uint8)
-    hello[:4] = np.frombuffer(len(address).to_bytes(4, "little"), dtype=np.uint8)
-    hello[4 : 4 + len(address)] = np.frombuffer(address, dtype=np.uint8)
-    side.wait(side.send(HELLO_TAG, hello))
+    if connect == "listener":
+        side.endpoint = side.lib.UCXEndpoint.create(side.worker, "127.0.0.1", int(info["port"]), True)
+    else:
+        side.connect(base64.b64decode(info["worker"]))
+        address = side.address
+        hello = np.zeros(HELLO_BYTES, dtype=np.uint8)
+        hello[:4] = np.frombuffer(len(address).to_bytes(4, "little"), dtype=np.uint8)
+        hello[4 : 4 + len(address)] = np.frombuffer(address, dtype=np.uint8)
+        side.wait(side.send(HELLO_TAG, hello))
 
     def stop() -> None:
         with contextlib.suppress(Exception):
@@ -199,9 +209,12 @@ def ucxx_raw(
 # Sender (subprocess)
 
 
-def serve(path: Path, window: int, source_kind: str = "file", mode: str = "poll") -> None:
+def serve(
+    path: Path, window: int, source_kind: str = "file", mode: str = "poll", connect: str = "address"
+) -> None:
     """Send messages cut from the memory-mapped file (or a copy of it in anonymous memory, ``"anon"``) for
-    each GO until GO with count 0 (or SIGTERM)."""
+    each GO until GO with count 0 (or SIGTERM); ``connect="listener"``: to the one client that connects to
+    this side's listener (its port is printed instead of the worker address)."""
     import pyarrow as pa
 
     mapped = pa.memory_map(str(path))
@@ -211,15 +224,26 @@ def serve(path: Path, window: int, source_kind: str = "file", mode: str = "poll"
     else:  # map every page into this process now, so that no timed transfer waits for it
         int(source[::4096].sum())
     side = _Endpoint(mode)
-    sys.stdout.write(
-        json.dumps({"ticket": path.stem, "worker": base64.b64encode(side.address).decode()}) + "\n"
-    )
-    sys.stdout.flush()
     progress = side.progress
-    hello = np.zeros(HELLO_BYTES, dtype=np.uint8)
-    side.wait(side.recv(HELLO_TAG, hello))
-    length = int.from_bytes(hello[:4].tobytes(), "little")
-    side.connect(hello[4 : 4 + length].tobytes())
+    if connect == "listener":
+        requests: list[Any] = []
+        listener = side.lib.UCXListener.create(
+            side.worker, 0, lambda conn_request, *args: requests.append(conn_request), (), None, False
+        )
+        sys.stdout.write(json.dumps({"ticket": path.stem, "port": int(listener.port)}) + "\n")
+        sys.stdout.flush()
+        while not requests:
+            progress()
+        side.endpoint = listener.create_endpoint_from_conn_request(requests[0], True)
+    else:
+        sys.stdout.write(
+            json.dumps({"ticket": path.stem, "worker": base64.b64encode(side.address).decode()}) + "\n"
+        )
+        sys.stdout.flush()
+        hello = np.zeros(HELLO_BYTES, dtype=np.uint8)
+        side.wait(side.recv(HELLO_TAG, hello))
+        length = int.from_bytes(hello[:4].tobytes(), "little")
+        side.connect(hello[4 : 4 + length].tobytes())
     while True:
         go = np.zeros(2, dtype=np.uint64)
         side.wait(side.recv(GO_TAG, go))
@@ -250,9 +274,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=WINDOW)
     parser.add_argument("--source", choices=["file", "anon"], default="file")
     parser.add_argument("--progress", choices=["poll", "blocking"], default=PROGRESS)
+    parser.add_argument("--connect", choices=["address", "listener"], default="address")
     args = parser.parse_args(argv)
     with contextlib.suppress(KeyboardInterrupt):
-        serve(args.path, max(1, args.window), args.source, args.progress)
+        serve(args.path, max(1, args.window), args.source, args.progress, args.connect)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ batch's bytes (cut from the same memory-mapped file) as one tagged message, work
 peer-failure handling (so UCX uses shared memory: CMA), polling progress (``_ucx_anchor.py``);
 ``ucxx-raw-blocking`` is the same waiting on epoll (as dissoc does; spinning suffers on a busy machine) and
 ``ucxx-raw-anon`` sends the same sizes from anonymous (huge-page) memory, the best case for CMA.
+``ucxx-raw-listener`` connects through the sender's listener instead (``host:port``, peer-failure handling
+on, as the reference mapping's clients do; UCX runs it over TCP here): the anchor for the listener path.
 
 Workloads: ``large`` (1 GiB in 16 MiB batches; ``--quick``: 256 MiB), ``large64`` (1 GiB in 64 MiB batches;
 ``--quick``: 256 MiB) and ``small`` (100k batches of 1k rows, 16 KiB each; ``--quick``: 10k). Each path runs
