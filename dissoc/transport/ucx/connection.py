@@ -645,7 +645,7 @@ async def connect_ucx(
             raise TransportError(f"cannot connect to {where}: {exc}") from exc
     description = f"ucx ->{host}:{port}" + ("(address)" if use_address else "")
     try:
-        client_worker = lib.UCXWorker(ucx_context())
+        client_worker = lib.UCXWorker(ucx_context("default" if use_address else "listener"))
     except Exception as exc:
         raise TransportError(f"cannot connect to {where}: cannot create a UCX worker: {exc}") from exc
     driver = Driver(client_worker, loop, description)

@@ -21,7 +21,7 @@ __all__ = ["close_endpoint", "endpoint_alive", "ucx_array", "ucx_context", "ucx_
 logger = logging.getLogger(__name__)
 
 _lib_module: ModuleType | None = None
-_context: Any = None
+_contexts: dict[str, Any] = {}
 
 
 def ucxx_lib() -> ModuleType:
@@ -57,26 +57,39 @@ def _restore_environment(before: dict[str, str]) -> None:
             os.environ[key] = value
 
 
-def ucx_context() -> Any:
-    """The process's UCX context (tag matching, active messages, wake-up, RMA), created once."""
-    global _context
-    if _context is None:
+#: Extra configuration of the context for the listener path's workers (see :func:`ucx_context`).
+LISTENER_CONFIG = {"RNDV_SCHEME": "put_zcopy"}
+
+
+def ucx_context(kind: str = "default") -> Any:
+    """The process's UCX context of ``kind`` (tag matching, active messages, wake-up, RMA), created once.
+
+    ``"listener"``: the listener path's (the listener's worker and the workers its connections are accepted
+    on, a client's listener-path worker). Those endpoints run over TCP here, where UCX's put-based rendezvous
+    doubles large messages' throughput (``LISTENER_CONFIG``; ``UCX_RNDV_SCHEME`` overrides); set for the whole
+    process it slowed the same-host path's shared memory, hence a context of their own.
+    """
+    context = _contexts.get(kind)
+    if context is None:
         lib = ucxx_lib()
         features = (lib.Feature.TAG, lib.Feature.AM, lib.Feature.WAKEUP, lib.Feature.RMA)
         # Without cma: UCX aborts a process whose cma read fails because the peer died mid-transfer (the data
         # endpoints have no peer-failure handling); shared memory still carries the data. UCX_TLS overrides.
         config = {} if "UCX_TLS" in os.environ else {"TLS": "^cma"}
+        if kind == "listener":
+            config.update({k: v for k, v in LISTENER_CONFIG.items() if f"UCX_{k}" not in os.environ})
         # ucxx's own defaults (they were environment variables; UCX_* set by the user still win).
         settings = {k: v for k, v in _UCXX_SETTINGS.items() if f"UCX_{k}" not in os.environ}
         try:
-            _context = lib.UCXContext({**settings, **config}, features)
+            context = lib.UCXContext({**settings, **config}, features)
         except Exception:
             logger.debug("UCX context with ucxx's settings %s failed; without them", settings, exc_info=True)
             try:
-                _context = lib.UCXContext(config, features)
+                context = lib.UCXContext(config, features)
             except Exception as exc:
                 raise TransportError(f"cannot create a UCX context: {exc}") from exc
-    return _context
+        _contexts[kind] = context
+    return context
 
 
 def ucx_array(obj: BytesLike) -> Any:

@@ -132,7 +132,7 @@ class UcxListener(Listener):
         self._handshakes: set[asyncio.Task[None]] = set()
         self._requests: list[int] = []
         try:
-            worker = lib_ucxx.UCXWorker(ucx_context())
+            worker = lib_ucxx.UCXWorker(ucx_context("listener"))
         except Exception as exc:
             raise TransportError(f"cannot create a UCX worker: {exc}") from exc
         self._driver = Driver(worker, self._loop, f"ucx listener :{port}")
@@ -345,7 +345,7 @@ class UcxListener(Listener):
             description = f"ucx {self.address}<-{peer or '?'}#{next(self._count)}"
             driver: Driver | None = None
             try:
-                worker = self._lib.UCXWorker(ucx_context())
+                worker = self._lib.UCXWorker(ucx_context("listener"))
                 driver = Driver(worker, self._loop, description)
                 endpoint = RawEndpoint(int(worker.handle), description, conn_request=conn_request)
                 connection = UcxConnection(
