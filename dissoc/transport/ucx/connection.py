@@ -31,7 +31,7 @@ from dissoc.transport.base import (
 )
 from dissoc.transport.ucx.am import AmReceiver
 from dissoc.transport.ucx.driver import MAX_ROUNDS, Driver, Pending
-from dissoc.transport.ucx.endpoint import RawEndpoint, RawRequest, flush
+from dissoc.transport.ucx.endpoint import RawEndpoint, flush
 from dissoc.transport.ucx.handshake import (
     BYE_TAG,
     HELLO_TAG,
@@ -457,15 +457,7 @@ class UcxConnection(Connection):
                 answered = await self._progress_until(self._exchange_done, "the closing exchange")
             # A peer that died, or did not answer within the wait, is closed forcefully: a flush towards it
             # would never complete.
-            force = not answered or not endpoint_alive(self._bootstrap)
-            closing = self._close_endpoints(force=force)
-            if force:
-                # A send towards a dead peer that the forced close left under way (UCX's shared-memory
-                # rendezvous keeps some): cancel it too.
-                handle = int(driver.worker.handle)
-                for item in driver.pending:
-                    if isinstance(item.request, RawRequest) and not item.request.completed:
-                        item.request.cancel(handle)
+            closing = self._close_endpoints(force=not answered or not endpoint_alive(self._bootstrap))
             if not await self._progress_until(
                 lambda: all(_completed(r) for r in closing) and not driver.pending and self._am.reap(),
                 "closing the endpoints",
@@ -652,7 +644,6 @@ async def connect_ucx(
     bootstrap: Any = None
     try:
         async with asyncio.timeout(timeout):
-            hello = MAGIC + bytes(client_worker.address.tobytes())
             if use_address:
                 assert isinstance(worker, bytes)
                 try:
@@ -661,37 +652,27 @@ async def connect_ucx(
                     )
                 except Exception as exc:
                     raise TransportError(f"cannot connect to {where}: {exc}") from exc
+                hello = MAGIC + bytes(client_worker.address.tobytes())
                 await send_tagged(driver, bootstrap, HELLO_TAG, hello, f"connecting to {where}")
                 reply = await recv_tagged(driver, REPLY_TAG, f"connecting to {where}")
                 server_address = parse_hello(reply, description)
+                try:
+                    endpoint = client_worker.create_endpoint_from_worker_address(
+                        lib.UCXAddress.create_from_buffer(server_address), error_handling
+                    )
+                except Exception as exc:
+                    raise TransportError(f"cannot connect to {where}: {exc}") from exc
             else:
                 # The listener path, as the reference mapping has it: the server accepts the connection on a
                 # worker of its own, and everything travels on this one endpoint (no handshake).
                 try:
-                    bootstrap = lib.UCXEndpoint.create(client_worker, address, port, True)
+                    bootstrap = endpoint = lib.UCXEndpoint.create(client_worker, address, port, True)
                     # Connected (or refused) once a flush completes: report a failure here, not at the first
                     # receive.
                     request = flush(int(bootstrap.handle), f"connecting to {where}")
                 except Exception as exc:
                     raise TransportError(f"cannot connect to {where}: {exc}") from exc
                 await driver.wait(request, None, f"connecting to {where}")
-                return UcxConnection(
-                    driver,
-                    bootstrap,
-                    bootstrap,
-                    driver,
-                    description=description,
-                    max_message_bytes=max_message_bytes,
-                    max_buffered_bytes=max_buffered_bytes,
-                    allocator=allocator,
-                    closing_exchange=False,
-                )
-            try:
-                endpoint = client_worker.create_endpoint_from_worker_address(
-                    lib.UCXAddress.create_from_buffer(server_address), error_handling
-                )
-            except Exception as exc:
-                raise TransportError(f"cannot connect to {where}: {exc}") from exc
             return UcxConnection(
                 driver,
                 endpoint,
@@ -701,7 +682,8 @@ async def connect_ucx(
                 max_message_bytes=max_message_bytes,
                 max_buffered_bytes=max_buffered_bytes,
                 allocator=allocator,
-                closing_exchange=not error_handling,
+                # Only a data endpoint without peer-failure handling needs the closing exchange.
+                closing_exchange=use_address and not error_handling,
             )
     except TimeoutError as exc:
         driver.close()

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dissoc.errors import DissocError, TransportError
+from dissoc.transport.ucx.endpoint import RawRequest
 
 __all__ = ["MAX_ROUNDS", "Driver", "Pending"]
 
@@ -189,11 +190,10 @@ class Driver:
         for item in self.pending:
             if item.request.completed:
                 continue
-            orphan = getattr(item.request, "orphan", None)
-            if orphan is not None:
+            if isinstance(item.request, RawRequest):
                 # dissoc's own request (libucp's, through ctypes): the worker need not stay for it, only
                 # the memory UCX might read until the worker is destroyed, which goes with this driver.
-                self.orphans.append((orphan(), item.keep))
+                self.orphans.append((item.request.orphan(), item.keep))
             else:
                 _ABANDONED.append((item, self.worker))
         self.pending = []

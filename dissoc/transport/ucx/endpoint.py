@@ -56,6 +56,21 @@ logger = logging.getLogger(__name__)
 UCXX_AM_HEADER = struct.pack("<i?BQ", 0, False, 0, 0)
 _HEADER = ctypes.create_string_buffer(UCXX_AM_HEADER, len(UCXX_AM_HEADER))
 
+
+def _request_param(flags: int = 0) -> UcpRequestParam:
+    param = UcpRequestParam()
+    if flags:
+        param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS
+        param.flags = flags
+    return param
+
+
+# Request parameters, made once (UCX only reads them): no flags; an active message asking for a reply
+# endpoint; a forced close.
+_PLAIN = _request_param()
+_AM_REPLY = _request_param(UCP_AM_SEND_FLAG_REPLY)
+_FORCE = _request_param(UCP_EP_CLOSE_FLAG_FORCE)
+
 #: Live endpoints by the id their error handler is given.
 _ENDPOINTS: dict[int, RawEndpoint] = {}
 _IDS = itertools.count(1)
@@ -103,11 +118,6 @@ class RawRequest:
         if self._status == UCS_INPROGRESS:
             self._status = UCS_ERR_CANCELED
         return keep
-
-    def cancel(self, worker: int) -> None:
-        """Ask UCX to cancel the request (it completes, cancelled, at a later progress call)."""
-        if self._status == UCS_INPROGRESS and self._ptr is not None:
-            lib().ucp_request_cancel(worker, self._ptr)
 
     def check_error(self) -> None:
         """Raise TransportError when the request failed."""
@@ -199,13 +209,6 @@ class RawEndpoint:
         """Forget the close callback."""
         self._close_callback = None
 
-    def _param(self, flags: int = 0) -> UcpRequestParam:
-        param = UcpRequestParam()
-        if flags:
-            param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS
-            param.flags = flags
-        return param
-
     def _usable(self, what: str) -> int:
         if self._ep is None or self._closing:
             raise TransportError(f"{self._description}: {what}: the endpoint is closed")
@@ -217,16 +220,15 @@ class RawEndpoint:
         """Send ``array`` (ucxx's ``Array``: ``ptr``, ``nbytes``) tagged ``tag`` (ucxx's ``UCXXTag``)."""
         what = f"sending tagged message {int(tag.value):#018x}"
         ep = self._usable(what)
-        ptr = lib().ucp_tag_send_nbx(ep, array.ptr, array.nbytes, int(tag.value), ctypes.byref(self._param()))
+        ptr = lib().ucp_tag_send_nbx(ep, array.ptr, array.nbytes, int(tag.value), ctypes.byref(_PLAIN))
         return RawRequest(ptr, array, f"{self._description}: {what}")
 
     def am_send(self, array: Any) -> RawRequest:
         """Send ``array`` as an active message (id 0, ucxx's header, reply endpoint asked for)."""
         what = "sending an active message"
         ep = self._usable(what)
-        param = self._param(UCP_AM_SEND_FLAG_REPLY)
         ptr = lib().ucp_am_send_nbx(
-            ep, AM_ID, _HEADER, len(UCXX_AM_HEADER), array.ptr, array.nbytes, ctypes.byref(param)
+            ep, AM_ID, _HEADER, len(UCXX_AM_HEADER), array.ptr, array.nbytes, ctypes.byref(_AM_REPLY)
         )
         return RawRequest(ptr, array, f"{self._description}: {what}")
 
@@ -244,12 +246,11 @@ class RawEndpoint:
         ep, self._ep = self._ep, None
         _ENDPOINTS.pop(self._id, None)
         forced = self._error_handling if force is None else force
-        param = self._param(UCP_EP_CLOSE_FLAG_FORCE) if forced else self._param()
-        ptr = lib().ucp_ep_close_nbx(ep, ctypes.byref(param))
+        ptr = lib().ucp_ep_close_nbx(ep, ctypes.byref(_FORCE if forced else _PLAIN))
         return RawRequest(ptr, None, f"{self._description}: closing the endpoint")
 
 
 def flush(ep: int, what: str) -> RawRequest:
     """Flush endpoint ``ep`` (a ``ucp_ep_h``, e.g. ucxx's ``UCXEndpoint.handle``): the request completes once
     what was sent has arrived and, on a new client endpoint, once the connection is set up (or failed)."""
-    return RawRequest(lib().ucp_ep_flush_nbx(ep, ctypes.byref(UcpRequestParam())), None, what)
+    return RawRequest(lib().ucp_ep_flush_nbx(ep, ctypes.byref(_PLAIN)), None, what)
