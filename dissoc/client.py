@@ -57,7 +57,7 @@ from dissoc.protocol import (
     seq_of,
 )
 from dissoc.tokens import is_signed, peek
-from dissoc.transport import Connection, connect
+from dissoc.transport import Connection, TaggedMessage, connect
 from dissoc.uri import DissocURI
 
 if TYPE_CHECKING:
@@ -165,8 +165,37 @@ def _as_uri(uri: str | DissocURI) -> DissocURI:
     return uri if isinstance(uri, DissocURI) else DissocURI.parse(uri)
 
 
+class _Taker:
+    """Takes one connection's messages for a session as they arrive (see ``Connection.set_receiver``):
+    untagged ones are metadata-stream messages where ``metadata``, tagged ones bodies where ``bodies``."""
+
+    __slots__ = ("bodies", "conn", "metadata", "session")
+
+    def __init__(self, session: _Session, conn: Connection, *, metadata: bool, bodies: bool) -> None:
+        self.session = session
+        self.conn = conn
+        self.metadata = metadata
+        self.bodies = bodies
+
+    def on_message(self, tag: int | None, payload: Any, nbytes: int) -> bool:
+        session = self.session
+        if session.done:
+            return False
+        if tag is None:
+            return self.metadata and session.take_metadata(self.conn, payload)
+        return self.bodies and session.take_body(self.conn, tag, payload, nbytes)
+
+    def on_failure(self, exc: DissocError) -> None:
+        self.session.connection_failed(exc)
+
+
 class _Session:
-    """One stream's state on the client: connections, the sans-IO stream, the decoder, flow control."""
+    """One stream's state on the client: connections, the sans-IO stream, the decoder, flow control.
+
+    Messages are taken inside the transports' reading callbacks (``_Taker``): each wake-up of a connection
+    runs every message it brought through the stream at once, and the consumer is woken once for all the
+    events they released.
+    """
 
     def __init__(
         self, meta_uri: DissocURI, data_uri: DissocURI, ticket: bytes, options: ClientOptions
@@ -182,17 +211,21 @@ class _Session:
         self.options = options
         self.decoder = MessageDecoder(validate=options.validate)
         self.stream = ClientStream(self.decoder.has_body, window=options.window, max_pending_bytes=1 << 62)
-        self.ready: asyncio.Queue[MessageReady | SchemaReceived | StreamEnded | BaseException] = (
-            asyncio.Queue()
-        )
+        self.ready: deque[MessageReady | SchemaReceived | StreamEnded | BaseException] = deque()
+        self._wakeup: asyncio.Future[None] | None = None
         self.in_flight = 0
         self.reading_paused = False
+        self.meta_conn: Connection | None = None
         self.data_conn: Connection | None = None
-        self.flow = asyncio.Event()  # set whenever in-flight bytes drop or batches are released
-        self.flow.set()
         self.conns: list[Connection] = []
         self.failure: TransportError | None = None  # the stream's connection failed
-        self.tasks: list[asyncio.Task[None]] = []
+        self.done = False  # failed, finished or closed: the takers take nothing more
+        self.metadata_done = False
+        # Input ahead of the reorder window, waiting for releases (its connection is paused meanwhile).
+        self.stalled_metadata: deque[Any] = deque()
+        self.stalled_bodies: deque[tuple[int, Any, int]] = deque()
+        self.stalled_bytes = 0
+        self._retrying = False
         self.stats = FetchStats()
         self._flush_scheduled = False
         ordered = options.ordered_metadata
@@ -274,6 +307,7 @@ class _Session:
         if self.split:
             data = await self._connect(self.data_uri)
             self.conns.append(data)
+        self.meta_conn, self.data_conn = meta, data
         device = self.device
         if device is not None and device.receives_on_device and data.device_memory:
             # Packed bodies go straight into device memory; the small tagged messages (pairs, errors) stay
@@ -284,87 +318,89 @@ class _Session:
                 return default_allocator(tag, length)
 
             data.set_allocator(allocate)
+        if self.split:
+            meta.set_receiver(_Taker(self, meta, metadata=True, bodies=False))
+            data.set_receiver(_Taker(self, data, metadata=False, bodies=True))
+        else:
+            meta.set_receiver(_Taker(self, meta, metadata=True, bodies=True))
         await meta.send_tagged(self.meta_uri.want_data, self.ticket)
         if self.split:
             await data.send_tagged(self.data_uri.want_data, self.ticket)
-        loop = asyncio.get_running_loop()
-        self.tasks.append(loop.create_task(self._guard(self._read_metadata(meta))))
-        self.tasks.append(loop.create_task(self._guard(self._read_bodies(data))))
 
-    async def _guard(self, coro: Any) -> None:
-        try:
-            await coro
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # handed to the consumer, which raises it
-            if isinstance(e, TransportError):
-                # The server is gone: a burst of batches already handed over must not delay the error until
-                # the consumer has worked through it (see _Chunk).
-                self.failure = e
-            self.ready.put_nowait(e)
+    # -- taking messages (inside the transports' reading callbacks; never raise) ---------------------------
 
-    async def next_event(self) -> MessageReady | SchemaReceived | StreamEnded:
-        """The next event for the consumer; silence longer than the timeout while it waits is an error."""
-        ready = self.ready
-        if ready.empty():
-            try:
-                ev = await asyncio.wait_for(ready.get(), self.options.timeout)
-            except TimeoutError:
-                missing = [fmt_seq(m) for m in self.stream.missing()[:8]]
-                if self.stream.state is ClientState.ENDED and not self.stream.metadata_complete:
-                    # The server said how many messages it sent, and metadata for some never came.
-                    raise ProtocolError(
-                        f"the stream ended, but after {self.options.timeout} s messages are still missing: "
-                        f"{missing}"
-                    ) from None
-                raise TransportError(
-                    f"nothing arrived within {self.options.timeout} s (waiting for message "
-                    f"{fmt_seq(self.stream.next_seq)}; missing {missing})"
-                ) from None
-        else:
-            ev = ready.get_nowait()
-        if isinstance(ev, BaseException):
-            raise ev
-        return ev
+    def _wake(self) -> None:
+        waiter = self._wakeup
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _failed(self, exc: BaseException) -> None:
+        """End the stream with ``exc``, handed to the consumer, which raises it."""
+        if self.done:
+            return
+        self.done = True
+        if isinstance(exc, TransportError):
+            # The server is gone: a burst of batches already handed over must not delay the error until
+            # the consumer has worked through it (see _Chunk).
+            self.failure = exc
+        self.ready.append(exc)
+        self._wake()
+
+    def connection_failed(self, exc: DissocError) -> None:
+        if not self.done and not self.stream.finished:
+            self._failed(exc)
 
     def _publish(self, events: list[Any]) -> None:
-        for ev in events:
-            self.ready.put_nowait(ev)
         if events:
-            self.flow.set()
+            self.ready.extend(events)
+            self._wake()
+            if self.stream.finished:
+                self.done = True
+            elif (self.stalled_metadata or self.stalled_bodies) and not self._retrying:
+                self._retry_stalled()
 
-    async def _wait_window(self, seq: int) -> None:
-        """Wait until ``seq`` is inside the reorder window (backpressure between the two streams).
+    def _ahead(self, seq: int) -> bool:
+        """Whether input for ``seq`` must wait for releases (ahead of the reorder window).
 
-        A sequence number already released is passed on at once (the stream then reports the duplicate), and
-        one far beyond anything a window could need is an error rather than a wait that only a timeout ends.
+        A sequence number already released is passed on at once (the stream then reports the duplicate),
+        and one far beyond anything a window could need is an error rather than a wait that only a timeout
+        ends.
         """
-        while self.stream.classify(seq) > 0:  # ahead of the window: wait for releases
-            ahead = seq_diff(seq, self.stream.next_seq)
-            if ahead >= 4 * self.options.window:
-                raise ResourceError(
-                    f"message {fmt_seq(seq)} is {ahead} sequence numbers ahead of the next one to release "
-                    f"({fmt_seq(self.stream.next_seq)}); at most {self.options.window} may be pending"
-                )
-            self.flow.clear()
-            await self.flow.wait()
+        if self.stream.classify(seq) <= 0:
+            return False
+        ahead = seq_diff(seq, self.stream.next_seq)
+        if ahead >= 4 * self.options.window:
+            raise ResourceError(
+                f"message {fmt_seq(seq)} is {ahead} sequence numbers ahead of the next one to release "
+                f"({fmt_seq(self.stream.next_seq)}); at most {self.options.window} may be pending"
+            )
+        return True
 
-    async def _read_metadata(self, conn: Connection) -> None:
-        stream = self.stream
-        while True:
-            buf = await conn.recv()
+    def take_metadata(self, conn: Connection, buf: Any) -> bool:
+        if self.metadata_done:
+            return False
+        try:
             prefix = peek_prefix(buf)
             if prefix is not None and prefix[0] in _ORDERED_TYPES:
                 kind, seq = prefix
                 if self.ordered:
                     self._check_order(kind, seq)
-                if kind == MessageType.METADATA:
-                    await self._wait_window(seq)
-            self._publish(stream.receive_metadata_message(buf))
-            # Done once the end of stream and all metadata before it are in; the server keeps the
-            # connection open for the next request.
-            if stream.metadata_complete or stream.finished:
-                return
+                if kind == MessageType.METADATA and (self.stalled_metadata or self._ahead(seq)):
+                    self.stalled_metadata.append(buf)
+                    self._update_pause()
+                    return True
+            self._metadata(buf)
+        except BaseException as exc:  # handed to the consumer, which raises it
+            self._failed(exc)
+        return True
+
+    def _metadata(self, buf: Any) -> None:
+        stream = self.stream
+        self._publish(stream.receive_metadata_message(buf))
+        # Done once the end of stream and all metadata before it are in; the server keeps the connection
+        # open for the next request.
+        if stream.metadata_complete or stream.finished:
+            self.metadata_done = True
 
     def _check_order(self, kind: int, seq: int) -> None:
         """On an ordered transport every metadata message has the next number, and EOS carries the count."""
@@ -382,28 +418,125 @@ class _Session:
         if kind == MessageType.METADATA:
             self.expected_meta = next_seq(seq)
 
-    async def _read_bodies(self, conn: Connection) -> None:
-        self.data_conn = conn
-        limit = self.options.max_in_flight_bytes
-        while not self.stream.finished:
-            msg = await conn.recv_tagged(0, 0)
-            if body_type_of(msg.tag) == BODY_ERROR:
-                err = decode_stream_message(msg.view())
+    def take_body(self, conn: Connection, tag: int, payload: Any, nbytes: int) -> bool:
+        try:
+            if body_type_of(tag) == BODY_ERROR:
+                err = decode_stream_message(TaggedMessage(tag, payload).view())
                 if isinstance(err, ErrorMessage):
                     raise RemoteError(err.code, err.message)
                 raise ProtocolError(f"data stream: an error tag carried a {type(err).__name__}, not an error")
-            if msg.tag == ARENA_TAG:
-                self._arena_announced(decode_arena(msg.view()))
+            if tag == ARENA_TAG:
+                self._arena_announced(decode_arena(TaggedMessage(tag, payload).view()))
+                return True
+            self.in_flight += nbytes
+            if self.stalled_bodies or self._ahead(seq_of(tag)):
+                self.stalled_bodies.append((tag, payload, nbytes))
+                self.stalled_bytes += nbytes
+                if (
+                    conn is self.meta_conn
+                    and not self.metadata_done
+                    and (self.stalled_bytes > self.options.max_in_flight_bytes)
+                ):
+                    # One ordered connection carries both streams: pausing it would also hold back the
+                    # metadata these bodies wait for.
+                    raise ResourceError(
+                        f"{self.stalled_bytes} bytes of bodies arrived ahead of their metadata, more than "
+                        f"max_in_flight_bytes ({self.options.max_in_flight_bytes})"
+                    )
+            else:
+                self._publish(self.stream.receive_body(tag, payload, nbytes))
+            self._update_pause()
+        except BaseException as exc:  # handed to the consumer, which raises it
+            self._failed(exc)
+        return True
+
+    def _retry_stalled(self) -> None:
+        """Pass on the input that waited for the window, as far as the window now allows."""
+        self._retrying = True
+        try:
+            progress = True
+            while progress and not self.done:
+                progress = False
+                stream = self.stream
+                while self.stalled_metadata:
+                    buf = self.stalled_metadata[0]
+                    prefix = peek_prefix(buf)
+                    if prefix is not None and self._ahead(prefix[1]):
+                        break
+                    self.stalled_metadata.popleft()
+                    self._metadata(buf)
+                    progress = True
+                while self.stalled_bodies and not self.done:
+                    tag, payload, nbytes = self.stalled_bodies[0]
+                    if self._ahead(seq_of(tag)):
+                        break
+                    self.stalled_bodies.popleft()
+                    self.stalled_bytes -= nbytes
+                    self.ready.extend(stream.receive_body(tag, payload, nbytes))
+                    progress = True
+            if self.stream.finished:
+                self.done = True
+            self._wake()
+            self._update_pause()
+        except BaseException as exc:
+            self._failed(exc)
+        finally:
+            self._retrying = False
+
+    def _update_pause(self) -> None:
+        """Pause the connections that must wait: the data connection while enough bodies wait for the
+        consumer (resumed at half) or some wait for the window, the metadata one while metadata waits."""
+        meta, data = self.meta_conn, self.data_conn
+        limit = self.options.max_in_flight_bytes
+        if self.reading_paused:
+            if self.in_flight <= limit // 2:
+                self.reading_paused = False
+        elif self.in_flight >= limit:
+            # Enough bodies wait for the consumer: stop reading (TCP then pushes back on the server).
+            self.reading_paused = True
+        data_paused = self.reading_paused or bool(self.stalled_bodies)
+        meta_paused = bool(self.stalled_metadata)
+        for conn, paused in ((data, data_paused), (meta, meta_paused)):
+            if conn is None:
                 continue
-            seq = seq_of(msg.tag)
-            await self._wait_window(seq)
-            n = msg.nbytes
-            self.in_flight += n
-            if self.in_flight >= limit and not self.reading_paused:
-                # Enough bodies wait for the consumer: stop reading (TCP then pushes back on the server).
-                self.reading_paused = True
+            if conn is meta and conn is data:
+                # One connection carries both: pausing for stalled bodies would hold back their metadata.
+                paused = self.reading_paused or meta_paused
+            if paused:
                 conn.pause_reading()
-            self._publish(self.stream.receive_body(msg.tag, msg.payload, n))
+            else:
+                conn.resume_reading()
+            if conn is meta and conn is data:
+                break
+
+    # -- the consumer's side ---------------------------------------------------------------------------------
+
+    async def next_event(self) -> MessageReady | SchemaReceived | StreamEnded:
+        """The next event for the consumer; silence longer than the timeout while it waits is an error."""
+        ready = self.ready
+        if not ready:
+            waiter = self._wakeup = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(waiter, self.options.timeout)
+            except TimeoutError:
+                missing = [fmt_seq(m) for m in self.stream.missing()[:8]]
+                if self.stream.state is ClientState.ENDED and not self.stream.metadata_complete:
+                    # The server said how many messages it sent, and metadata for some never came.
+                    raise ProtocolError(
+                        f"the stream ended, but after {self.options.timeout} s messages are still missing: "
+                        f"{missing}"
+                    ) from None
+                raise TransportError(
+                    f"nothing arrived within {self.options.timeout} s (waiting for message "
+                    f"{fmt_seq(self.stream.next_seq)}; missing {missing})"
+                ) from None
+            finally:
+                self._wakeup = None
+                del waiter
+        ev = ready.popleft()
+        if isinstance(ev, BaseException):
+            raise ev
+        return ev
 
     def _arena_announced(self, arena: ArenaAnnouncement) -> None:
         """The data server named the arena this connection's pair lists point into (private arenas): open a
@@ -444,14 +577,11 @@ class _Session:
         )
         self.in_flight -= n
         if self.reading_paused and self.in_flight <= self.options.max_in_flight_bytes // 2:
-            self.reading_paused = False
-            if self.data_conn is not None:
-                self.data_conn.resume_reading()
+            self._update_pause()
         if ev.body_type == BODY_PAIRS:
             return self._decode_pairs(ev)
         if ev.body_type != BODY_PACKED:
             raise ProtocolError(f"message {fmt_seq(ev.seq)}: unknown body type {ev.body_type}")
-        self.flow.set()
         batch: Batch | None
         if self.device is not None:
             batch = self.device.packed(ev.metadata, body)
@@ -495,11 +625,9 @@ class _Session:
             await self.data_conn.send_tagged(self.data_uri.free_data, encode_free(addresses))
 
     async def close(self) -> None:
-        for t in self.tasks:
-            t.cancel()
-        for t in self.tasks:
-            with contextlib.suppress(BaseException):  # cancelled, or already reported to the consumer
-                await t
+        self.done = True
+        self.stalled_metadata.clear()
+        self.stalled_bodies.clear()
         # The stream is over: the decoders' dictionaries are needed no more. Zero-copy ones lie in the
         # server's memory, which goes back when the consumer's batches are released, not with the session.
         self.decoder.dictionaries.clear()
@@ -688,7 +816,7 @@ async def _stream_one(
                     on_schema(session.decoder.schema)
                 if batch is not None:
                     chunk.append(batch)
-                if session.ready.empty():
+                if not session.ready:
                     break
                 ev = await session.next_event()
             await session.flush_frees()
@@ -891,7 +1019,7 @@ class StreamReader:
         if options is not None and options.zero_copy:
             self._runner = _SharedRunner.get()  # zero-copy sessions outlive the reader (see ClientOptions)
         else:
-            self._runner = _ThreadRunner() if in_loop else asyncio.Runner()
+            self._runner = _ThreadRunner() if in_loop else _LoopRunner()
 
     def _set_schema(self, schema: pa.Schema) -> None:
         self._schema = schema
@@ -960,6 +1088,32 @@ class StreamReader:
         if not getattr(self, "_done", True):
             with contextlib.suppress(Exception):
                 self.close()
+
+
+class _LoopRunner:
+    """``run``/``close`` on a private event loop in the caller's thread.
+
+    Not ``asyncio.Runner``: on the main thread its ``run`` looks up and swaps the SIGINT handler around each
+    call, and ``signal.getsignal`` formats the handler, which holds the previous call's task, whose result is
+    a burst of batches: pyarrow formats their values, milliseconds per call. Ctrl-C here interrupts the loop
+    with ``KeyboardInterrupt`` as in any synchronous call.
+    """
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+
+    def run(self, coro: Any) -> Any:
+        return self._loop.run_until_complete(coro)
+
+    def close(self) -> None:
+        loop = self._loop
+        if loop.is_closed():
+            return
+        try:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            loop.close()
 
 
 class _ThreadRunner:

@@ -121,6 +121,14 @@ class TaggedStore:
                     del self._stale[other]
         return found
 
+    def drain(self) -> list[Held]:
+        """Remove and return every held message, in arrival order."""
+        held = sorted(self._live.values(), key=lambda h: h.order)
+        for h in held:
+            h.taken = True
+        self.clear()
+        return held
+
     def clear(self) -> None:
         self._live.clear()
         self._indexes.clear()

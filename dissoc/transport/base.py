@@ -29,7 +29,7 @@ import resource
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Self, TypeAlias
+from typing import Protocol, Self, TypeAlias
 
 from dissoc.buffers import BytesLike, byte_view, default_allocator, device_nbytes
 from dissoc.errors import DissocError, ProtocolError, ResourceError, TransportError
@@ -50,6 +50,7 @@ __all__ = [
     "MessageTooLargeError",
     "ReceiveBudget",
     "ReceiveBudgetError",
+    "Receiver",
     "SendData",
     "TagLimitError",
     "TaggedMessage",
@@ -97,6 +98,19 @@ class TagLimitError(TransportError, ResourceError):
 class ReceiveBudgetError(TransportError, ResourceError):
     """A message would take the bytes being received across a server's connections past its
     :class:`ReceiveBudget`; nothing was allocated for it and nothing more is read from the peer."""
+
+
+class Receiver(Protocol):
+    """Takes messages as they arrive (see :meth:`Connection.set_receiver`).
+
+    Both methods run inside the transport's reading callback: they must be quick and must not raise.
+    """
+
+    def on_message(self, tag: int | None, payload: BytesLike, nbytes: int) -> bool:
+        """One received message (``tag`` None: untagged); False leaves it to be held for ``recv*``."""
+
+    def on_failure(self, exc: DissocError) -> None:
+        """The connection failed or was closed, after every message received before was offered."""
 
 
 class ReceiveBudget:
@@ -196,6 +210,7 @@ class Connection(abc.ABC):
         self._tag_limits: dict[int, int] = {}
         self._budget = receive_budget
         self._reserved = 0
+        self._receiver: Receiver | None = None
 
     # ----------------------------------------------------------------------------------------------- public
 
@@ -239,6 +254,38 @@ class Connection(abc.ABC):
         as is, as :attr:`TaggedMessage.payload`. If the hook raises, the connection fails with that error.
         """
         self._allocator = allocator if allocator is not None else default_allocator
+
+    def set_receiver(self, receiver: Receiver | None) -> None:
+        """Hand each message to ``receiver`` the moment it arrives, instead of holding it for :meth:`recv`
+        and :meth:`recv_tagged` (None: hold them again).
+
+        A consumer that processes every message of a connection itself (the client's stream session) takes
+        them this way in one pass per wake-up of the transport, without a future or a task switch per
+        message. Messages it declines are held as before. Messages already held are offered at once,
+        untagged ones first. When the connection fails or is closed, ``receiver.on_failure`` is called once.
+        Flow control stays with the owner: :meth:`pause_reading` and :meth:`resume_reading`.
+        """
+        self._receiver = receiver
+        if receiver is None:
+            return
+        for _ in range(len(self._untagged)):
+            message = self._untagged.popleft()
+            if receiver.on_message(None, message, len(message)):
+                self._buffered -= len(message)
+                if self._budget is not None:
+                    self._unreserve(len(message))
+            else:
+                self._untagged.append(message)
+        for held in self._held.drain():
+            self._buffered -= held.nbytes
+            if self._budget is not None:
+                self._unreserve(held.nbytes)
+            if not receiver.on_message(held.message.tag, held.message.payload, held.nbytes):
+                self._held.add(held.message, held.nbytes)
+                self._buffered += held.nbytes
+                self._rereserve(held.nbytes)
+        if self._error is not None:
+            receiver.on_failure(fresh_error(self._error))
 
     def limit_tag(self, tag: int, max_bytes: int | None) -> None:
         """Accept tagged messages of exactly ``tag`` only up to ``max_bytes`` of payload (None: no limit but
@@ -526,7 +573,12 @@ class Connection(abc.ABC):
         return buffer, view
 
     def _deliver_untagged(self, message: bytes | memoryview) -> None:
-        """Hand a received untagged message to the oldest waiting consumer, or hold it."""
+        """Hand a received untagged message to the receiver, the oldest waiting consumer, or hold it."""
+        receiver = self._receiver
+        if receiver is not None and receiver.on_message(None, message, len(message)):
+            if self._budget is not None:
+                self._unreserve(len(message))
+            return
         waiters = self._untagged_waiters
         while waiters:
             future = waiters.popleft()
@@ -539,7 +591,13 @@ class Connection(abc.ABC):
         self._buffered += len(message)
 
     def _deliver_tagged(self, tag: int, payload: BytesLike, nbytes: int) -> None:
-        """Hand a received tagged message to the consumer that waited longest for it, or hold it."""
+        """Hand a received tagged message to the receiver, the consumer that waited longest for it, or hold
+        it."""
+        receiver = self._receiver
+        if receiver is not None and receiver.on_message(tag, payload, nbytes):
+            if self._budget is not None:
+                self._unreserve(nbytes)
+            return
         held = Held(TaggedMessage(tag, payload), nbytes)
         waiter = self._tag_waiters.pop_match(tag)
         if waiter is not None:
@@ -583,6 +641,8 @@ class Connection(abc.ABC):
             self._error = exc
             if not drop_held:
                 logger.debug("%s failed: %s", self._description, exc)
+            if self._receiver is not None:
+                self._receiver.on_failure(fresh_error(exc))
         error = self._error
         while self._untagged_waiters:
             future = self._untagged_waiters.popleft()
