@@ -116,19 +116,34 @@ class BufferPool:
     throughput of a socket read into it. The pool keeps the raw arrays behind the buffers it hands out and
     reuses one when its reference count shows that no view of it is left (every numpy view, memoryview or
     pyarrow buffer over a handed-out array keeps the raw array alive, so a live buffer is never reused).
-    Buffers smaller than ``min_bytes`` are simply allocated. The pool holds at most ``max_bytes`` of raw
-    arrays; :meth:`clear` lets them go.
+    Buffers smaller than ``min_bytes`` are simply allocated, except those of at most ``slab_max`` bytes:
+    they are carved, aligned, from a shared ``slab_bytes`` slab (a fresh one when it is used up), which costs a
+    slice instead of an allocation per small message. A slab lives as long as any buffer carved from it, so
+    keeping one small batch keeps its slab (``slab_bytes``) in memory. The pool holds at most ``max_bytes`` of
+    raw arrays; :meth:`clear` lets them go.
     """
 
     def __init__(
-        self, max_bytes: int = 256 << 20, min_bytes: int = 1 << 20, alignment: int = ALIGNMENT
+        self,
+        max_bytes: int = 256 << 20,
+        min_bytes: int = 1 << 20,
+        alignment: int = ALIGNMENT,
+        *,
+        slab_max: int = 64 << 10,
+        slab_bytes: int = 1 << 20,
     ) -> None:
+        if slab_max > slab_bytes:
+            raise ValueError(f"slab_max ({slab_max}) must be at most slab_bytes ({slab_bytes})")
         self._max_bytes = max_bytes
         self._min_bytes = min_bytes
         self._alignment = alignment
         self._raws: list[U8Array] = []
         self._held = 0
         self._lock = threading.Lock()
+        self._slab_max = slab_max
+        self._slab_bytes = slab_bytes
+        self._slab: U8Array = aligned_empty(0, alignment)
+        self._slab_pos = 0
 
     @property
     def held_bytes(self) -> int:
@@ -148,6 +163,16 @@ class BufferPool:
     def allocate(self, length: int) -> U8Array:
         """An uninitialised aligned uint8 array of ``length`` bytes; reuses an idle pooled one if it can."""
         alignment = self._alignment
+        if length <= self._slab_max:
+            with self._lock:
+                pos = self._slab_pos
+                end = pos + length
+                slab = self._slab
+                if end > slab.nbytes:
+                    slab = self._slab = aligned_empty(self._slab_bytes, alignment)
+                    pos, end = 0, length
+                self._slab_pos = (end + alignment - 1) & -alignment
+                return slab[pos:end]
         if length < self._min_bytes:
             return aligned_empty(length, alignment)
         need = length + alignment

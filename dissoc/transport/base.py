@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Protocol, Self, TypeAlias
 
-from dissoc.buffers import BytesLike, byte_view, default_allocator, device_nbytes
+from dissoc.buffers import DEFAULT_POOL, BytesLike, byte_view, default_allocator, device_nbytes
 from dissoc.errors import DissocError, ProtocolError, ResourceError, TransportError
 from dissoc.logs import peer_log
 from dissoc.transport._inbox import Held, TaggedStore, TagWaiters
@@ -541,8 +541,12 @@ class Connection(abc.ABC):
     def _allocate(self, tag: int, length: int) -> tuple[BytesLike, memoryview]:
         """Call the placement hook for a tagged payload; returns the buffer and a writable byte view of it
         (for a device buffer, on a transport with :attr:`device_memory`, the buffer itself)."""
+        allocator = self._allocator
+        if allocator is default_allocator:  # the common case, whose buffers need no checking
+            pooled = DEFAULT_POOL.allocate(length)
+            return pooled, pooled.data
         try:
-            buffer = self._allocator(tag, length)
+            buffer = allocator(tag, length)
             size = device_nbytes(buffer)
             if size is not None:
                 if not self.device_memory:

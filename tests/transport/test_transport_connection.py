@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dissoc.buffers import BufferPool
+from dissoc.buffers import ALIGNMENT, BufferPool
 from dissoc.errors import ResourceError, TransportError
 from dissoc.transport import (
     ALIGNMENT,
@@ -414,3 +414,21 @@ def test_defaults() -> None:
         from dissoc.transport import MemoryConnection
 
         MemoryConnection(max_buffered_bytes=0)
+
+
+def test_buffer_pool_carves_small_buffers_from_slabs() -> None:
+    pool = BufferPool(slab_max=4096, slab_bytes=16384)
+    first, second = pool.allocate(100), pool.allocate(4096)
+    for buffer in (first, second):
+        assert buffer.ctypes.data % ALIGNMENT == 0 and buffer.flags.writeable
+    assert first.base is second.base  # one slab
+    assert second.ctypes.data >= first.ctypes.data + 100  # no overlap
+    first[:] = 1
+    second[:] = 2
+    assert int(first.sum()) == 100  # writing one never touches the other
+    rest = [pool.allocate(4096) for _ in range(3)]  # the slab is used up on the third
+    assert rest[-1].base is not first.base
+    assert pool.allocate(4097).base is not rest[-1].base  # over slab_max: allocated on its own
+    assert pool.allocate(0).nbytes == 0
+    with pytest.raises(ValueError, match="slab_max"):
+        BufferPool(slab_max=2, slab_bytes=1)
