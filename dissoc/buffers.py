@@ -117,10 +117,10 @@ class BufferPool:
     reuses one when its reference count shows that no view of it is left (every numpy view, memoryview or
     pyarrow buffer over a handed-out array keeps the raw array alive, so a live buffer is never reused).
     Buffers smaller than ``min_bytes`` are simply allocated, except those of at most ``slab_max`` bytes:
-    they are carved, aligned, from a shared ``slab_bytes`` slab (a fresh one when it is used up), which costs a
-    slice instead of an allocation per small message. A slab lives as long as any buffer carved from it, so
-    keeping one small batch keeps its slab (``slab_bytes``) in memory. The pool holds at most ``max_bytes`` of
-    raw arrays; :meth:`clear` lets them go.
+    they are carved, aligned, from a shared ``slab_bytes`` slab (a fresh one when it is used up), which
+    costs a slice instead of an allocation per small message. A slab lives as long as any buffer carved from
+    it, so keeping one small batch keeps its slab (``slab_bytes``) in memory. The pool holds at most
+    ``max_bytes`` of raw arrays; :meth:`clear` lets them go.
     """
 
     def __init__(

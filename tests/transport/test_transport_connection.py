@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dissoc.buffers import ALIGNMENT, BufferPool
+from dissoc.buffers import BufferPool
 from dissoc.errors import ResourceError, TransportError
 from dissoc.transport import (
     ALIGNMENT,
