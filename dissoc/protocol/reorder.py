@@ -417,7 +417,8 @@ class ReorderBuffer(Generic[M, B]):
         self._pending_bytes += nbytes
         self._held_metadata += 1
         _log.debug("metadata seq=0x%08x has_body=%s (%d bytes)", seq, has_body, nbytes)
-        return self._release()
+        # Only completing the next message to release can release anything.
+        return self._release() if seq == self._next and slot.complete else []
 
     def add_body(self, seq: int, body_type: int, body: B, nbytes: int) -> list[Complete[M, B]]:
         """Add the body of message ``seq``; return the messages now releasable, in order.
@@ -447,7 +448,7 @@ class ReorderBuffer(Generic[M, B]):
         slot.body_nbytes = nbytes
         self._pending_bytes += nbytes
         _log.debug("body seq=0x%08x type=%d (%d bytes)", seq, body_type, nbytes)
-        return self._release()
+        return self._release() if seq == self._next and slot.complete else []
 
     def end(self, eos_seq: int) -> list[Complete[M, B]]:
         """Record the end-of-stream message carrying ``eos_seq`` (the next unused sequence number, that is the

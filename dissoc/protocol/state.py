@@ -53,6 +53,9 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
+#: The largest tag of a packed body (body type 0 in bits 56-63, reserved bits 32-55 clear): the seq itself.
+_PACKED_TAG_MAX = 0xFFFF_FFFF
+
 
 class StreamStateError(RuntimeError):
     """A state machine was driven out of order by local code (a programming error, not bad input)."""
@@ -377,7 +380,8 @@ class ClientStream:
 
         The returned metadata views ``buf`` (no copy); keep ``buf`` unchanged while it is in use.
         """
-        self._check_usable("metadata-stream message")
+        if self._state is ClientState.FAILED:
+            self._check_usable("metadata-stream message")
         try:
             return self._on_metadata_stream(buf)
         except Exception as exc:
@@ -390,7 +394,8 @@ class ClientStream:
         bodies); ``nbytes`` is its size, taken from ``len()``/``.nbytes`` when omitted. Pair-list bodies
         (type 1) must be in host memory and are decoded into a :class:`~dissoc.protocol.pairs.PairList`.
         """
-        self._check_usable(f"body with tag {fmt_tag(tag) if isinstance(tag, int) else tag!r}")
+        if self._state is ClientState.FAILED:
+            self._check_usable(f"body with tag {fmt_tag(tag) if isinstance(tag, int) else tag!r}")
         try:
             return self._on_body(tag, payload, nbytes)
         except Exception as exc:
@@ -441,7 +446,10 @@ class ClientStream:
         raise RemoteError(msg.code, msg.message)
 
     def _on_body(self, tag: int, payload: object, nbytes: int | None) -> list[ClientEvent]:
-        seq, body_type = parse_body_tag(tag)
+        if type(tag) is int and 0 <= tag <= _PACKED_TAG_MAX:  # a packed body's tag: bits 32-63 clear
+            seq, body_type = tag, BODY_PACKED
+        else:
+            seq, body_type = parse_body_tag(tag)
         body: object
         if body_type == BODY_PAIRS:
             view = _host_view(payload)
@@ -454,6 +462,10 @@ class ClientStream:
         return self._maybe_finish(events)
 
     def _convert(self, done: list[Complete[memoryview, object]]) -> list[ClientEvent]:
+        if not done:
+            return []
+        if self._schema_released:
+            return [MessageReady(c.seq, c.metadata, c.body_type, c.body) for c in done]
         events: list[ClientEvent] = []
         for c in done:
             if not self._schema_released:
@@ -465,6 +477,8 @@ class ClientStream:
 
     def _maybe_finish(self, events: list[ClientEvent]) -> list[ClientEvent]:
         reorder = self._reorder
+        if not events and self._state is ClientState.STREAMING and not reorder.ended:
+            return events  # nothing released, no end of stream: nothing finished, the state stays
         if reorder.finished:
             if self._state is not ClientState.FINISHED:
                 self._state = ClientState.FINISHED
