@@ -451,6 +451,11 @@ class TcpConnection(Connection):
                     continue
                 if tagged:
                     obj, target = self._allocate(tag, length)
+                    if wpos - rpos >= length:  # all staged already (small payloads): no target to track
+                        target[:] = view[rpos : rpos + length]
+                        rpos += length
+                        self._deliver_tagged(tag, obj, length)
+                        continue
                 else:
                     obj = DEFAULT_POOL.allocate(length)
                     target = obj.data
