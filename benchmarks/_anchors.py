@@ -91,7 +91,7 @@ class Workload:
     def batch_bytes(self) -> int:
         if self.kind == "int64":
             return self.columns * self.rows_per_batch * 8
-        return make_batch(self).nbytes
+        return int(make_batch(self).nbytes)
 
     @property
     def payload_bytes(self) -> int:

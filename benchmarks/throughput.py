@@ -537,7 +537,8 @@ def plot_sweep(results: Sequence[Measurement], workloads: Sequence[anchors.Workl
             lines.setdefault(result.path, []).append(point)
     anchor_labels = {label for _, label, _ in anchors.ANCHORS}
     fig, (gbps_axes, batches_axes) = plt.subplots(1, 2, figsize=(14, 6.5), layout="constrained")
-    colors = list(plt.get_cmap("tab20").colors)
+    tab20 = list(plt.get_cmap("tab20").colors)
+    colors = tab20[0::2] + tab20[1::2]  # the ten strong colours first, then their light pairs
     for i, (label, points) in enumerate(lines.items()):
         points.sort()
         xs = [p[0] for p in points]
@@ -557,6 +558,7 @@ def plot_sweep(results: Sequence[Measurement], workloads: Sequence[anchors.Workl
         axes.set_xlabel("batch size (2 int64 columns)")
         axes.set_ylabel(ylabel)
         axes.grid(True, which="major", alpha=0.3)
+    gbps_axes.set_ylim(bottom=0)
     batches_axes.set_yscale("log")
     gbps_axes.set_title("throughput")
     batches_axes.set_title("batches per second")
