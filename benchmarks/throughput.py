@@ -39,12 +39,20 @@ peer-failure handling (so UCX uses shared memory: CMA), polling progress (``_ucx
 on, as the reference mapping's clients do; UCX runs it over TCP here): the anchor for the listener path.
 
 Workloads: ``large`` (1 GiB in 16 MiB batches; ``--quick``: 256 MiB), ``large64`` (1 GiB in 64 MiB batches;
-``--quick``: 256 MiB) and ``small`` (100k batches of 1k rows, 16 KiB each; ``--quick``: 10k). Each path runs
-one untimed warm-up and ``--repeat`` timed transfers; the table shows the median GB/s (payload = sum of
-``batch.nbytes``, the same for every path), min, max, median batches/s, and the ratios of the medians to the
-anchors of the same workload (spec/FACTS.md section 6). Below it, the targets: dissoc over UCX on one host
->= 0.80x raw ucxx (the faster of ``ucxx-raw`` and ``ucxx-raw-blocking``) and >= 4x Flight on the 16 and
-64 MiB workloads. A row that fails prints its error and the run goes on.
+``--quick``: 256 MiB), ``spark`` (below) and ``small`` (100k batches of 1k rows, 16 KiB each; ``--quick``:
+10k). Each path runs one untimed warm-up and ``--repeat`` timed transfers; the table shows the median GB/s
+(payload = sum of ``batch.nbytes``, the same for every path), min, max, median batches/s, CPU per GB, and the
+ratios of the medians to the anchors of the same workload (spec/FACTS.md section 6). Below it, the targets:
+dissoc over UCX on one host >= 0.80x raw ucxx (the faster of ``ucxx-raw`` and ``ucxx-raw-blocking``) and
+>= 4x Flight on the 16 and 64 MiB workloads. A row that fails prints its error and the run goes on.
+
+The ``spark`` workload (``_anchors.spark_batch``) is 10k-row batches of ten mixed columns (ints, floats with
+nulls, strings with nulls, bools, timestamp, date, a category-like string): 1280 batches (``--quick``: 160).
+The ``cpu s/GB cli/srv`` column is the median CPU time per GB of payload of this process (every path's client
+runs here; ``time.process_time``) and of the path's server subprocesses (``/proc``), read around each timed
+transfer; ``-`` where not measured (the notes below the table say why). ``--plot FILE.png`` also runs a
+batch-size sweep (16 KiB to 64 MiB batches of 2 int64 columns) and draws GB/s and batches/s against batch
+size, one line per path; it needs matplotlib (``pip install 'dissoc[bench]'``).
 
 Run from the repository root::
 
@@ -54,6 +62,8 @@ Run from the repository root::
     .venv/bin/python benchmarks/throughput.py                         # + 100k small batches: much longer
     .venv/bin/python benchmarks/throughput.py --only anchors --workload large --json
     .venv/bin/python benchmarks/throughput.py --only ucxx,flight,dissoc-ucx --workload large64
+    .venv/bin/python benchmarks/throughput.py --quick --workload spark
+    .venv/bin/python benchmarks/throughput.py --quick --plot sweep.png --only flight,dissoc-tcp
 
 The dissoc rows say "not available (...)" while ``dissoc.cli`` / the client do not exist yet.
 """
