@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -70,42 +71,126 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # Workloads and datasets
 
 
+#: Workload kinds: ``int64`` (``columns`` int64 columns, as the original workloads) and ``spark`` (ten mixed
+#: columns shaped like a Spark executor's batch: :func:`spark_batch`).
+KINDS = ("int64", "spark")
+
+
 @dataclass(frozen=True)
 class Workload:
-    """``num_batches`` identical batches of ``columns`` int64 columns of ``rows_per_batch`` rows."""
+    """``num_batches`` identical batches of ``rows_per_batch`` rows: ``columns`` int64 columns (kind
+    ``int64``) or the ten mixed columns of :func:`spark_batch` (kind ``spark``)."""
 
     name: str
     columns: int
     rows_per_batch: int
     num_batches: int
+    kind: str = "int64"
 
     @property
     def batch_bytes(self) -> int:
-        return self.columns * self.rows_per_batch * 8
+        if self.kind == "int64":
+            return self.columns * self.rows_per_batch * 8
+        return int(make_batch(self).nbytes)
 
     @property
     def payload_bytes(self) -> int:
         return self.batch_bytes * self.num_batches
 
     def describe(self) -> str:
+        if self.kind == "int64":
+            cols = f"{self.columns} int64 cols"
+        else:
+            cols = f"{self.columns} mixed cols ({', '.join(str(f.type) for f in make_batch(self).schema)})"
         return (
-            f"{self.name}: {self.num_batches} batches x {self.columns} int64 cols x {self.rows_per_batch}"
+            f"{self.name}: {self.num_batches} batches x {cols} x {self.rows_per_batch}"
             f" rows = {_size(self.batch_bytes)}/batch, {_size(self.payload_bytes)} in all"
         )
 
 
-#: Full-size workloads: 1 GiB in 16 MiB batches, 1 GiB in 64 MiB batches, and 100k batches of 1k rows.
+#: Full-size workloads: 1 GiB in 16 MiB batches, 1 GiB in 64 MiB batches, 100k batches of 1k rows, and
+#: 1280 Spark-shaped batches of 10k rows x 10 mixed columns (~0.8 MiB each, ~1 GiB).
 WORKLOADS: dict[str, Workload] = {
     "large": Workload("large", 2, 1 << 20, 64),
     "large64": Workload("large64", 2, 1 << 22, 16),
     "small": Workload("small", 2, 1024, 100_000),
+    "spark": Workload("spark", 10, 10_000, 1280, kind="spark"),
 }
-#: ``--quick`` workloads: 256 MiB in 16 MiB and in 64 MiB batches, and 10k small batches.
+#: ``--quick`` workloads: 256 MiB in 16 MiB and in 64 MiB batches, 10k small batches, 160 Spark batches.
 QUICK_WORKLOADS: dict[str, Workload] = {
     "large": Workload("large", 2, 1 << 20, 16),
     "large64": Workload("large64", 2, 1 << 22, 4),
     "small": Workload("small", 2, 1024, 10_000),
+    "spark": Workload("spark", 10, 10_000, 160, kind="spark"),
 }
+
+#: Rows per batch of the batch-size sweep (2 int64 columns): 16 KiB, 256 KiB, 2 MiB, 16 MiB and 64 MiB.
+SWEEP_ROWS = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
+#: Bytes each sweep workload moves per transfer (at least 2 batches), full and ``--quick``.
+SWEEP_BYTES = 512 * MiB
+QUICK_SWEEP_BYTES = 64 * MiB
+
+
+def sweep_workloads(quick: bool = False, rows: Sequence[int] = SWEEP_ROWS) -> list[Workload]:
+    """The batch-size sweep: one 2-column int64 workload per row count, each moving about the same bytes."""
+    total = QUICK_SWEEP_BYTES if quick else SWEEP_BYTES
+    out = []
+    for count in rows:
+        label = f"{count >> 20}m" if count >= 1 << 20 else f"{count >> 10}k"
+        out.append(Workload(f"sweep-{label}", 2, count, max(2, total // (2 * 8 * count))))
+    return out
+
+
+def make_batch(workload: Workload) -> pa.RecordBatch:
+    """The batch every one of ``workload``'s batches is (deterministic: the same bytes on every run)."""
+    if workload.kind == "int64":
+        values = np.arange(workload.rows_per_batch, dtype=np.int64)
+        return pa.record_batch(
+            [pa.array(values + column) for column in range(workload.columns)],
+            names=[f"c{column}" for column in range(workload.columns)],
+        )
+    if workload.kind == "spark":
+        if workload.columns != SPARK_COLUMNS:
+            raise ValueError(f"a spark workload has {SPARK_COLUMNS} columns, not {workload.columns}")
+        return spark_batch(workload.rows_per_batch)
+    raise ValueError(f"unknown workload kind {workload.kind!r} (kinds: {', '.join(KINDS)})")
+
+
+SPARK_COLUMNS = 10
+_CATEGORIES = ("books", "games", "garden", "grocery", "health", "music", "outdoors", "toys")
+
+
+@functools.cache
+def spark_batch(rows: int, seed: int = 20240611) -> pa.RecordBatch:
+    """A Spark-executor-like batch of ``rows`` rows and ten mixed columns, the same for the same arguments:
+    int64 ids, int32 quantities, float64 prices (~10% null), float32 discounts, utf8 comments of 0-48
+    characters (~5% null), bools, timestamp[us], date32, int64 customer ids and a short utf8 category."""
+    rng = np.random.default_rng(seed)
+    ids = np.arange(rows, dtype=np.int64)
+    price = np.round(rng.uniform(0.5, 500.0, rows), 2)
+    price_null = rng.random(rows) < 0.10
+    lengths = rng.integers(0, 49, rows)
+    starts = rng.integers(0, 4096 - 48, rows)
+    pool = "".join(chr(c) for c in rng.integers(ord("a"), ord("z") + 1, 4096))
+    comment_null = rng.random(rows) < 0.05
+    comments = [
+        None if null else pool[start : start + length]
+        for start, length, null in zip(starts.tolist(), lengths.tolist(), comment_null.tolist(), strict=True)
+    ]
+    base_us = 1_700_000_000_000_000
+    columns: dict[str, pa.Array] = {
+        "id": pa.array(ids),
+        "quantity": pa.array(rng.integers(1, 1000, rows, dtype=np.int32)),
+        "price": pa.array(price, mask=price_null),
+        "discount": pa.array(rng.uniform(0.0, 0.5, rows).astype(np.float32)),
+        "comment": pa.array(comments, type=pa.utf8()),
+        "active": pa.array(rng.random(rows) < 0.5),
+        "event_time": pa.array(base_us + ids * 1_000_003, type=pa.timestamp("us")),
+        "event_date": pa.array((19_000 + ids // 500).astype(np.int32), type=pa.date32()),
+        "customer_id": pa.array(rng.integers(0, 1 << 40, rows, dtype=np.int64)),
+        "category": pa.array([_CATEGORIES[i] for i in rng.integers(0, len(_CATEGORIES), rows).tolist()]),
+    }
+    return pa.record_batch(list(columns.values()), names=list(columns))
 
 
 @dataclass(frozen=True)
@@ -123,11 +208,7 @@ class Dataset:
 def write_dataset(directory: Path, workload: Workload) -> Dataset:
     """Write ``workload`` to ``directory/<name>.arrow`` (Arrow IPC file); its ticket is the file stem."""
     path = directory / f"{workload.name}.arrow"
-    values = np.arange(workload.rows_per_batch, dtype=np.int64)
-    batch = pa.record_batch(
-        [pa.array(values + column) for column in range(workload.columns)],
-        names=[f"c{column}" for column in range(workload.columns)],
-    )
+    batch = make_batch(workload)
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as writer:
         for _ in range(workload.num_batches):
             writer.write_batch(batch)
@@ -204,7 +285,12 @@ def consume(batches: Iterable[pa.RecordBatch]) -> Consumed:
 
 @dataclass
 class Measurement:
-    """Timings of one path on one dataset; ``error`` set (and no timings) when it could not run."""
+    """Timings of one path on one dataset; ``error`` set (and no timings) when it could not run.
+
+    ``client_cpu`` and ``server_cpu`` are the CPU seconds (user + system) each timed transfer cost this
+    process and the server subprocesses the path started (:func:`process_cpu_seconds`); empty where they were
+    not measured (no server, or no ``/proc``).
+    """
 
     path: str
     workload: str
@@ -213,6 +299,8 @@ class Measurement:
     seconds: list[float] = field(default_factory=list)
     error: str | None = None
     note: str | None = None
+    client_cpu: list[float] = field(default_factory=list)
+    server_cpu: list[float] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -229,6 +317,21 @@ class Measurement:
     @property
     def median_batches_per_s(self) -> float:
         return self.num_batches / statistics.median(self.seconds)
+
+    @property
+    def client_cpu_per_gb(self) -> float | None:
+        """Median client CPU seconds per GB (1e9 bytes) of payload; None when not measured."""
+        return self._per_gb(self.client_cpu)
+
+    @property
+    def server_cpu_per_gb(self) -> float | None:
+        """Median server CPU seconds per GB of payload; None when not measured (e.g. no server)."""
+        return self._per_gb(self.server_cpu)
+
+    def _per_gb(self, cpu: list[float]) -> float | None:
+        if not cpu or not self.ok:
+            return None
+        return statistics.median(cpu) / (self.payload_bytes / 1e9)
 
     def to_json(self) -> dict[str, Any]:
         result: dict[str, Any] = {
@@ -247,8 +350,131 @@ class Measurement:
                 min_GBps=round(min(self.gbps), 4),
                 max_GBps=round(max(self.gbps), 4),
                 median_batches_per_s=round(self.median_batches_per_s, 1),
+                client_cpu_s=[round(c, 4) for c in self.client_cpu] or None,
+                server_cpu_s=[round(c, 4) for c in self.server_cpu] or None,
+                client_cpu_s_per_GB=_round(self.client_cpu_per_gb),
+                server_cpu_s_per_GB=_round(self.server_cpu_per_gb),
             )
         return result
+
+
+def format_cpu(result: Measurement) -> str:
+    """``client/server`` CPU seconds per GB, ``-`` for a side not measured."""
+
+    def cell(value: float | None) -> str:
+        if value is None:
+            return "-"
+        return f"{value:.2f}" if value >= 1 else f"{value:.3f}"
+
+    return f"{cell(result.client_cpu_per_gb)}/{cell(result.server_cpu_per_gb)}"
+
+
+def _round(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of ``pid``'s children (``/proc/PID/task/*/children``; empty where the kernel lacks it)."""
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as file:
+                out += [int(child) for child in file.read().split()]
+    return out
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (utime + stime, every thread, exited ones included, in clock ticks: 10 ms on most
+    kernels) that process ``pid`` and its live descendants have used, from ``/proc``; None when it cannot be
+    read (no ``/proc``, process gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            fields = file.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # After "pid (comm)": state is field 3, utime 14 and stime 15 (proc(5)), so indices 11 and 12 here.
+    total = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    for child in _children(pid):
+        total += process_cpu_seconds(child) or 0.0
+    return total
+
+
+def _thread_runtimes(pid: int, out: dict[tuple[int, int], float]) -> bool:
+    """Add each live thread's time on a CPU (``/proc/PID/task/TID/schedstat``, nanoseconds) of ``pid`` and
+    its descendants to ``out``; False where the kernel does not provide it."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as file:
+                out[(pid, int(task))] = int(file.read().split()[0]) / 1e9
+        except FileNotFoundError:
+            if not os.path.exists(f"/proc/{pid}/task/{task}"):
+                continue  # the thread exited meanwhile
+            return False
+        except (OSError, ValueError, IndexError):
+            return False
+    return all(_thread_runtimes(child, out) for child in _children(pid))
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """The CPU time of some processes at one moment: ``ticks`` (utime + stime, exited threads included,
+    clock-tick resolution) and, where the kernel has schedstat, each live thread's runtime in seconds
+    (nanosecond resolution; empty otherwise)."""
+
+    ticks: float
+    threads: dict[tuple[int, int], float] = field(default_factory=dict)
+
+
+def cpu_sample(pids: Sequence[int]) -> CpuSample | None:
+    """A :class:`CpuSample` of every process in ``pids`` and their descendants; None if one is unreadable."""
+    ticks = 0.0
+    threads: dict[tuple[int, int], float] = {}
+    fine = True
+    for pid in pids:
+        cpu = process_cpu_seconds(pid)
+        if cpu is None:
+            return None
+        ticks += cpu
+        fine = fine and _thread_runtimes(pid, threads)
+    return CpuSample(ticks, threads if fine else {})
+
+
+def cpu_has_schedstat() -> bool:
+    """Whether this kernel gives each thread's runtime in nanoseconds (else CPU times are clock ticks)."""
+    return _thread_runtimes(os.getpid(), {})
+
+
+def cpu_between(before: CpuSample, after: CpuSample) -> float:
+    """CPU seconds used between two samples: the per-thread runtimes where both have them and no thread
+    of ``before`` has gone (threads started since count whole), else (or when the tick count says more
+    work was done, by threads that came and went) the tick difference."""
+    coarse = after.ticks - before.ticks
+    if not before.threads or not after.threads or not before.threads.keys() <= after.threads.keys():
+        return coarse
+    fine = sum(runtime - before.threads.get(key, 0.0) for key, runtime in after.threads.items())
+    return fine if coarse <= fine + 2 / _CLOCK_TICKS else coarse
+
+
+#: Collectors of the pids of the servers :func:`start_server` starts (see :func:`collect_servers`).
+_SERVER_COLLECTORS: list[list[int]] = []
+
+
+@contextlib.contextmanager
+def collect_servers() -> Iterator[list[int]]:
+    """A list that the pid of every server :func:`start_server` starts in this block is appended to."""
+    pids: list[int] = []
+    _SERVER_COLLECTORS.append(pids)
+    try:
+        yield pids
+    finally:
+        _SERVER_COLLECTORS.remove(pids)
 
 
 class _Timeout(Exception):
@@ -289,19 +515,28 @@ def measure(
 
     Never raises for a path that fails (except KeyboardInterrupt/SystemExit): the failure becomes
     ``Measurement.error``. The garbage collector is off during each timed transfer (for every path alike).
+
+    Around each timed transfer it also reads the CPU time of this process (``time.process_time``: every
+    thread; the client side of every path runs here) and of the server subprocesses the path started with
+    :func:`start_server` (``/proc``: :func:`cpu_sample`, :func:`cpu_between`), outside the timed span.
     """
     result = Measurement(name, dataset.name, dataset.payload_bytes, dataset.num_batches)
     try:
         with contextlib.ExitStack() as stack:
-            transfer = factory(dataset, stack)
+            with collect_servers() as servers:
+                transfer = factory(dataset, stack)
             for i in range(warmup + repeat):
                 gc.collect()
                 gc.disable()
                 try:
                     with _deadline(timeout):
+                        server_before = cpu_sample(servers) if servers else None
+                        client_before = time.process_time()
                         start = time.perf_counter()
                         got = transfer()
                         elapsed = time.perf_counter() - start
+                        client_after = time.process_time()
+                        server_after = cpu_sample(servers) if servers else None
                 finally:
                     gc.enable()
                 if got.rows != dataset.num_rows:
@@ -310,12 +545,19 @@ def measure(
                     result.note = f"received {got.batches} batches for {dataset.num_batches} sent"
                 if i >= warmup:
                     result.seconds.append(elapsed)
+                    result.client_cpu.append(client_after - client_before)
+                    if server_before is not None and server_after is not None:
+                        result.server_cpu.append(cpu_between(server_before, server_after))
+        if len(result.server_cpu) != len(result.seconds):  # a server could not be read every time
+            result.server_cpu.clear()
     except Unavailable as exc:
         result.error = f"not available ({exc})"
     except Exception as exc:
         result.error = f"error: {type(exc).__name__}: {exc}"
     if result.error:
         result.seconds.clear()
+        result.client_cpu.clear()
+        result.server_cpu.clear()
     return result
 
 
@@ -350,7 +592,8 @@ def run_paths(
                         progress(
                             f"    {result.median_gbps:.2f} GB/s median "
                             f"({', '.join(f'{g:.2f}' for g in result.gbps)}), "
-                            f"{result.median_batches_per_s:,.0f} batches/s"
+                            f"{result.median_batches_per_s:,.0f} batches/s, "
+                            f"cpu s/GB cli/srv {format_cpu(result)}"
                         )
                     else:
                         progress(f"    {result.error}")
@@ -477,8 +720,11 @@ def subprocess_env() -> dict[str, str]:
 def start_server(
     stack: contextlib.ExitStack, argv: Sequence[str], *, lines: int = 1, timeout: float = 60.0
 ) -> list[dict[str, Any]]:
-    """Start a :class:`ServerProcess` stopped by ``stack``; return its ready lines."""
+    """Start a :class:`ServerProcess` stopped by ``stack``; return its ready lines. Its pid goes to every
+    :func:`collect_servers` list open (so that :func:`measure` reads its CPU time)."""
     server = stack.enter_context(ServerProcess(argv, env=subprocess_env(), cwd=REPO_ROOT))
+    for pids in _SERVER_COLLECTORS:
+        pids.append(server.proc.pid)
     return server.read_json_lines(lines, timeout=timeout)
 
 

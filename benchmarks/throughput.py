@@ -39,12 +39,20 @@ peer-failure handling (so UCX uses shared memory: CMA), polling progress (``_ucx
 on, as the reference mapping's clients do; UCX runs it over TCP here): the anchor for the listener path.
 
 Workloads: ``large`` (1 GiB in 16 MiB batches; ``--quick``: 256 MiB), ``large64`` (1 GiB in 64 MiB batches;
-``--quick``: 256 MiB) and ``small`` (100k batches of 1k rows, 16 KiB each; ``--quick``: 10k). Each path runs
-one untimed warm-up and ``--repeat`` timed transfers; the table shows the median GB/s (payload = sum of
-``batch.nbytes``, the same for every path), min, max, median batches/s, and the ratios of the medians to the
-anchors of the same workload (spec/FACTS.md section 6). Below it, the targets: dissoc over UCX on one host
->= 0.80x raw ucxx (the faster of ``ucxx-raw`` and ``ucxx-raw-blocking``) and >= 4x Flight on the 16 and
-64 MiB workloads. A row that fails prints its error and the run goes on.
+``--quick``: 256 MiB), ``spark`` (below) and ``small`` (100k batches of 1k rows, 16 KiB each; ``--quick``:
+10k). Each path runs one untimed warm-up and ``--repeat`` timed transfers; the table shows the median GB/s
+(payload = sum of ``batch.nbytes``, the same for every path), min, max, median batches/s, CPU per GB, and the
+ratios of the medians to the anchors of the same workload (spec/FACTS.md section 6). Below it, the targets:
+dissoc over UCX on one host >= 0.80x raw ucxx (the faster of ``ucxx-raw`` and ``ucxx-raw-blocking``) and
+>= 4x Flight on the 16 and 64 MiB workloads. A row that fails prints its error and the run goes on.
+
+The ``spark`` workload (``_anchors.spark_batch``) is 10k-row batches of ten mixed columns (ints, floats with
+nulls, strings with nulls, bools, timestamp, date, a category-like string): 1280 batches (``--quick``: 160).
+The ``cpu s/GB cli/srv`` column is the median CPU time per GB of payload of this process (every path's client
+runs here; ``time.process_time``) and of the path's server subprocesses (``/proc``), read around each timed
+transfer; ``-`` where not measured (the notes below the table say why). ``--plot FILE.png`` also runs a
+batch-size sweep (16 KiB to 64 MiB batches of 2 int64 columns) and draws GB/s and batches/s against batch
+size, one line per path; it needs matplotlib (``pip install 'dissoc[bench]'``).
 
 Run from the repository root::
 
@@ -54,6 +62,8 @@ Run from the repository root::
     .venv/bin/python benchmarks/throughput.py                         # + 100k small batches: much longer
     .venv/bin/python benchmarks/throughput.py --only anchors --workload large --json
     .venv/bin/python benchmarks/throughput.py --only ucxx,flight,dissoc-ucx --workload large64
+    .venv/bin/python benchmarks/throughput.py --quick --workload spark
+    .venv/bin/python benchmarks/throughput.py --quick --plot sweep.png --only flight,dissoc-tcp
 
 The dissoc rows say "not available (...)" while ``dissoc.cli`` / the client do not exist yet.
 """
@@ -332,8 +342,40 @@ def _ratios(result: Measurement, results: Sequence[Measurement]) -> dict[str, fl
     return ratios
 
 
+CPU_HEADER = "cpu s/GB cli/srv"
+
+
+def cpu_notes(results: Sequence[Measurement]) -> list[str]:
+    """What the CPU column measured, and for which rows a side was not measured (and why)."""
+    done = [r for r in results if r.ok]
+    if not done:
+        return []
+    precision = (
+        "each thread's schedstat runtime, ns"
+        if anchors.cpu_has_schedstat()
+        else f"utime + stime in 1/{anchors._CLOCK_TICKS} s ticks, coarse for short transfers"
+    )
+    out = [
+        f"{CPU_HEADER}: median CPU seconds (user + system) per GB of payload over the timed transfers; cli ="
+        " this process (time.process_time, every thread: every path's client side runs here, the anchors'"
+        " included), srv = the path's server subprocesses and their children (/proc, read before and after"
+        f" each transfer: {precision}); a side that"
+        " busy-polls (ucxx raw with --ucxx-progress poll, the default) spends CPU while it waits"
+    ]
+    missing: dict[str, list[str]] = {}
+    for result in done:
+        if result.client_cpu_per_gb is None:
+            missing.setdefault("client CPU", []).append(f"{result.path} / {result.workload}")
+        if result.server_cpu_per_gb is None:
+            why = "no server: one process copies" if result.path == "numpy copy" else "/proc not readable"
+            missing.setdefault("server CPU", []).append(f"{result.path} ({why})")
+    for side, rows in missing.items():
+        out.append(f"{side} not measured (-) for: {', '.join(dict.fromkeys(rows))}")
+    return out
+
+
 def format_table(results: Sequence[Measurement]) -> str:
-    header = ["path", "workload", "GB/s med", "min", "max", "batches/s"]
+    header = ["path", "workload", "GB/s med", "min", "max", "batches/s", CPU_HEADER]
     header += [f"vs {label.split()[0]}" for label in ANCHOR_LABELS]
     rows: list[list[str]] = []
     notes: list[str] = []
@@ -350,6 +392,7 @@ def format_table(results: Sequence[Measurement]) -> str:
                 f"{min(result.gbps):.2f}",
                 f"{max(result.gbps):.2f}",
                 f"{result.median_batches_per_s:,.0f}",
+                anchors.format_cpu(result),
                 *("-" if ratio is None else f"{ratio:.2f}x" for ratio in ratios.values()),
             ]
         )
@@ -371,6 +414,7 @@ def format_table(results: Sequence[Measurement]) -> str:
     out = [line(header), "  ".join("-" * w for w in widths)]
     out += [line(row) for row in rows]
     out += [f"note: {n}" for n in notes]
+    out += [f"note: {n}" for n in cpu_notes(results)]
     return "\n".join(out)
 
 
@@ -473,6 +517,72 @@ def format_tls(ratios: Sequence[dict[str, Any]]) -> str:
     return ("\n\nTLS against plaintext:\n" + "\n".join(lines)) if lines else ""
 
 
+class MissingExtra(RuntimeError):
+    """An optional dependency of the benchmarks is not installed (the message names the extra)."""
+
+
+def _pyplot() -> Any:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend, imported only when a plot is asked for."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingExtra(
+            "--plot needs matplotlib, the 'bench' extra: pip install 'dissoc[bench]'"
+        ) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_sweep(results: Sequence[Measurement], workloads: Sequence[anchors.Workload], path: str) -> int:
+    """Draw median GB/s and batches/s against batch size (log x) for every path measured on ``workloads``,
+    one line per path (anchors dashed), into the image ``path``; return how many paths were drawn."""
+    plt = _pyplot()
+    sizes = {w.name: w.batch_bytes for w in workloads}
+    lines: dict[str, list[tuple[int, float, float]]] = {}
+    for result in results:
+        if result.ok and result.workload in sizes:
+            point = (sizes[result.workload], result.median_gbps, result.median_batches_per_s)
+            lines.setdefault(result.path, []).append(point)
+    anchor_labels = {label for _, label, _ in anchors.ANCHORS}
+    fig, (gbps_axes, batches_axes) = plt.subplots(1, 2, figsize=(14, 6.5), layout="constrained")
+    tab20 = list(plt.get_cmap("tab20").colors)
+    colors = tab20[0::2] + tab20[1::2]  # the ten strong colours first, then their light pairs
+    for i, (label, points) in enumerate(lines.items()):
+        points.sort()
+        xs = [p[0] for p in points]
+        style = {
+            "linestyle": "--" if label in anchor_labels else "-",
+            "marker": "o",
+            "color": colors[i % len(colors)],
+            "label": label,
+        }
+        gbps_axes.plot(xs, [p[1] for p in points], **style)
+        batches_axes.plot(xs, [p[2] for p in points], **style)
+    ticks = sorted(set(sizes.values()))
+    for axes, ylabel in ((gbps_axes, "GB/s (median)"), (batches_axes, "batches/s (median)")):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(ticks, [anchors._size(t) for t in ticks])
+        axes.minorticks_off()
+        axes.set_xlabel("batch size (2 int64 columns)")
+        axes.set_ylabel(ylabel)
+        axes.grid(True, which="major", alpha=0.3)
+    gbps_axes.set_ylim(bottom=0)
+    batches_axes.set_yscale("log")
+    gbps_axes.set_title("throughput")
+    batches_axes.set_title("batches per second")
+    if lines:
+        handles, labels = gbps_axes.get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside lower center", ncols=4, fontsize="small")
+    fig.suptitle(
+        "dissoc and anchors over loopback, by batch size (anchors dashed; one shared, noisy machine)"
+    )
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return len(lines)
+
+
 def _machine() -> dict[str, Any]:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {
@@ -529,15 +639,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         + "; ".join(w.describe() for w in anchors.WORKLOADS.values()),
     )
     parser.add_argument(
-        "--quick", action="store_true", help="256 MiB large and large64 workloads, 10k small batches"
+        "--quick",
+        action="store_true",
+        help="256 MiB large and large64 workloads, 10k small and 160 spark batches, 64 MiB per sweep size",
     )
     parser.add_argument("--repeat", type=int, default=5, help="timed transfers per path (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed transfers first (default 1)")
     parser.add_argument(
         "--workload",
-        default="all",
         metavar="NAME[,NAME]",
-        help=f"{', '.join(anchors.WORKLOADS)}, 'both' (large,small) or 'all' (default)",
+        help=f"{', '.join(anchors.WORKLOADS)}, 'both' (large,small) or 'all' (the default without --plot; "
+        "with --plot, only the sweep unless this is given)",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also run the batch-size sweep (2 int64 columns, "
+        + ", ".join(anchors._size(rows * 16) for rows in anchors.SWEEP_ROWS)
+        + " per batch) and draw GB/s and batches/s against batch size into FILE.png (needs matplotlib: "
+        "pip install 'dissoc[bench]')",
     )
     parser.add_argument(
         "--ucxx-window",
@@ -566,12 +686,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         DISSOC_SERVE[:] = args.dissoc_serve.split()
     if args.repeat < 1 or args.warmup < 0 or args.ucxx_window < 1:
         parser.error("--repeat and --ucxx-window must be >= 1 and --warmup >= 0")
+    if args.plot:
+        try:
+            _pyplot()
+        except MissingExtra as exc:
+            parser.error(str(exc))
     ucx_anchor = anchors._ucx_anchor_module()
     ucx_anchor.WINDOW, ucx_anchor.PROGRESS = args.ucxx_window, args.ucxx_progress
 
     table = anchors.QUICK_WORKLOADS if args.quick else anchors.WORKLOADS
     names: list[str] = []
-    for name in (n.strip() for n in args.workload.split(",")):
+    requested = args.workload if args.workload is not None else ("" if args.plot else "all")
+    for name in (n.strip() for n in requested.split(",") if n.strip()):
         expanded = {"both": ["large", "small"], "all": list(table)}.get(name, [name])
         for each in expanded:
             if each not in table:
@@ -579,6 +705,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if each not in names:
                 names.append(each)
     workloads = [table[name] for name in names]
+    sweep = anchors.sweep_workloads(args.quick) if args.plot else []
+    workloads += sweep
     paths = _select(args.only)
     tmpdir = args.tmpdir or anchors.default_tmpdir(max(w.payload_bytes for w in workloads))
 
@@ -617,6 +745,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if checks:
         text += "\n\n" + format_targets(checks) + format_ceiling(results)
     text += format_tls(tls_ratios(results))
+    if args.plot:
+        drawn = plot_sweep(results, sweep, args.plot)
+        text += f"\n\nplot: {args.plot} ({drawn} paths, {len(sweep)} batch sizes)"
     if args.json:
         print(text, file=sys.stderr)
         report = {
@@ -633,6 +764,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ],
             "targets": checks,
             "tls": tls_ratios(results),
+            "cpu": cpu_notes(results),
+            "plot": args.plot,
         }
         json.dump(report, sys.stdout, indent=2)
         print()
