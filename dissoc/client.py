@@ -387,7 +387,7 @@ class _Session:
                     self._check_order(kind, seq)
                 if kind == MessageType.METADATA and (self.stalled_metadata or self._ahead(seq)):
                     self.stalled_metadata.append(buf)
-                    self._update_pause()
+                    self._stalled(conn, len(buf))
                     return True
             self._metadata(buf)
         except BaseException as exc:  # handed to the consumer, which raises it
@@ -431,24 +431,28 @@ class _Session:
             self.in_flight += nbytes
             if self.stalled_bodies or self._ahead(seq_of(tag)):
                 self.stalled_bodies.append((tag, payload, nbytes))
-                self.stalled_bytes += nbytes
-                if (
-                    conn is self.meta_conn
-                    and not self.metadata_done
-                    and (self.stalled_bytes > self.options.max_in_flight_bytes)
-                ):
-                    # One ordered connection carries both streams: pausing it would also hold back the
-                    # metadata these bodies wait for.
-                    raise ResourceError(
-                        f"{self.stalled_bytes} bytes of bodies arrived ahead of their metadata, more than "
-                        f"max_in_flight_bytes ({self.options.max_in_flight_bytes})"
-                    )
+                self._stalled(conn, nbytes)
             else:
                 self._publish(self.stream.receive_body(tag, payload, nbytes))
-            self._update_pause()
+                self._update_pause()
         except BaseException as exc:  # handed to the consumer, which raises it
             self._failed(exc)
         return True
+
+    def _stalled(self, conn: Connection, nbytes: int) -> None:
+        """Input from ``conn`` waits for the window: its connection pauses, unless it carries both streams
+        (then what it waits for comes after it on the same connection), where the waiting bytes are bounded
+        by ``max_in_flight_bytes`` instead."""
+        self.stalled_bytes += nbytes
+        if conn is self.meta_conn and conn is self.data_conn:
+            if self.stalled_bytes > self.options.max_in_flight_bytes:
+                raise ResourceError(
+                    f"{self.stalled_bytes} bytes arrived ahead of the reorder window (window "
+                    f"{self.options.window}), more than max_in_flight_bytes "
+                    f"({self.options.max_in_flight_bytes})"
+                )
+            return
+        self._update_pause()
 
     def _retry_stalled(self) -> None:
         """Pass on the input that waited for the window, as far as the window now allows."""
@@ -464,6 +468,7 @@ class _Session:
                     if prefix is not None and self._ahead(prefix[1]):
                         break
                     self.stalled_metadata.popleft()
+                    self.stalled_bytes -= len(buf)
                     self._metadata(buf)
                     progress = True
                 while self.stalled_bodies and not self.done:
@@ -494,20 +499,22 @@ class _Session:
         elif self.in_flight >= limit:
             # Enough bodies wait for the consumer: stop reading (TCP then pushes back on the server).
             self.reading_paused = True
-        data_paused = self.reading_paused or bool(self.stalled_bodies)
-        meta_paused = bool(self.stalled_metadata)
-        for conn, paused in ((data, data_paused), (meta, meta_paused)):
+        pauses: tuple[tuple[Connection | None, bool], ...]
+        if meta is data:
+            # One connection carries both streams: only the consumer's pace pauses it (see _stalled).
+            pauses = ((data, self.reading_paused),)
+        else:
+            pauses = (
+                (data, self.reading_paused or bool(self.stalled_bodies)),
+                (meta, bool(self.stalled_metadata)),
+            )
+        for conn, paused in pauses:
             if conn is None:
                 continue
-            if conn is meta and conn is data:
-                # One connection carries both: pausing for stalled bodies would hold back their metadata.
-                paused = self.reading_paused or meta_paused
             if paused:
                 conn.pause_reading()
             else:
                 conn.resume_reading()
-            if conn is meta and conn is data:
-                break
 
     # -- the consumer's side ---------------------------------------------------------------------------------
 

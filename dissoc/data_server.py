@@ -115,6 +115,14 @@ class PrivateMemory:
             self._arenas.release(served)
 
 
+def _host_nbytes(body: list[Any]) -> int:
+    """The size of a body's buffers (``pa.Buffer`` sizes read directly: the per-message path)."""
+    total = 0
+    for b in body:
+        total += b.size if type(b) is pa.Buffer else buffer_nbytes(b)
+    return total
+
+
 class DataPart(StreamPart):
     """The bodies of one stream on one connection, packed or as pair lists (into the server's shared arena,
     or into the connection's own: ``private``)."""
@@ -149,7 +157,7 @@ class DataPart(StreamPart):
         if not self._pairs:
             if self._device:
                 body = [_device_for_connection(body[0], self._conn)]
-            out.add(sent.tag, body, sum(buffer_nbytes(b) for b in body))
+            out.add(sent.tag, body, _host_nbytes(body))
             return None
         return self._send_pairs(out, sent, metadata, body)
 

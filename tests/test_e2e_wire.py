@@ -254,3 +254,23 @@ async def test_random_fuzz_never_escapes_dissoc_error() -> None:
         async with RawServer(script) as raw:
             with contextlib.suppress(DissocError):  # a table or a DissocError are both fine
                 await within(6, fetch_async(raw.uri(), "x", options=ClientOptions(timeout=2)))
+
+
+@pytest.mark.parametrize("bodies_first", [False, True])
+async def test_one_connection_may_send_a_whole_part_beyond_the_window_first(bodies_first: bool) -> None:
+    """The spec lets metadata and bodies arrive in any order: on one connection, a server may send every
+    metadata message (or every body) first, far past the client's window; the client must read on for
+    what it waits for instead of pausing the connection that carries it."""
+    count = 40
+    batches = [_batch(i) for i in range(1, count + 1)]
+    metas = [meta(i + 1, md) for i, (md, _) in enumerate(batches)]
+    bodies = [tagged(i + 1, body) for i, (_, body) in enumerate(batches)]
+    first, second = (bodies, metas) if bodies_first else (metas, bodies)
+
+    def script() -> list[bytes]:
+        return [meta(0, SCHEMA_MD), *first, *second, eos(count + 1)]
+
+    async with RawServer(script) as raw:
+        options = ClientOptions(timeout=TIMEOUT, window=8)
+        table = await within(TIMEOUT + 5, fetch_async(raw.uri(), "x", options=options))
+    assert table.column("id").to_pylist() == list(range(10, (count + 1) * 10))

@@ -35,7 +35,15 @@ from dissoc.protocol.reorder import (
     SeqClass,
 )
 from dissoc.protocol.seq import check_seq, fmt_seq, next_seq
-from dissoc.protocol.tags import BODY_PACKED, BODY_PAIRS, fmt_tag, make_body_tag, parse_body_tag
+from dissoc.protocol.tags import (
+    BODY_PACKED,
+    BODY_PAIRS,
+    BODY_TYPE_SHIFT,
+    KNOWN_BODY_TYPES,
+    fmt_tag,
+    make_body_tag,
+    parse_body_tag,
+)
 
 __all__ = [
     "ClientEvent",
@@ -150,10 +158,11 @@ class ServerStream:
         self._require("message", ServerState.STREAMING)
         if len(as_byte_view(metadata)) == 0:
             raise ValueError("message metadata must not be empty")
-        if has_body:
-            make_body_tag(0, body_type)  # validate before consuming a sequence number
+        if has_body and body_type not in KNOWN_BODY_TYPES:
+            make_body_tag(0, body_type)  # raises: validated before a sequence number is consumed
         seq = self._take()
-        tag = make_body_tag(seq, body_type) if has_body else None
+        # seq comes from _take (valid) and body_type was checked: the tag needs no further validation.
+        tag = (body_type << BODY_TYPE_SHIFT) | seq if has_body else None
         if tag is None:
             _log.debug("server: message seq=0x%08x (no body)", seq)
         else:

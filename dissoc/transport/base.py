@@ -31,6 +31,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Protocol, Self, TypeAlias
 
+import pyarrow as pa
+
 from dissoc.buffers import DEFAULT_POOL, BytesLike, byte_view, default_allocator, device_nbytes
 from dissoc.errors import DissocError, ProtocolError, ResourceError, TransportError
 from dissoc.logs import peer_log
@@ -156,6 +158,12 @@ def as_views(data: SendData) -> tuple[list[memoryview], int]:
     views: list[memoryview] = []
     total = 0
     for item in items:
+        kind = type(item)
+        if kind is bytes or kind is pa.Buffer:  # the common cases: host memory, contiguous by construction
+            view = memoryview(item)  # type: ignore[arg-type]
+            views.append(view)
+            total += view.nbytes
+            continue
         if device_nbytes(item) is not None:
             raise TransportError("this transport sends host memory only: copy device buffers to the host")
         view = byte_view(item)
