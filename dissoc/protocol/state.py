@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, NoReturn
@@ -19,6 +20,7 @@ from dissoc.protocol.framing import (
     BytesLike,
     EndOfStream,
     ErrorMessage,
+    MessageType,
     MetadataMessage,
     as_byte_view,
     decode_stream_message,
@@ -34,7 +36,7 @@ from dissoc.protocol.reorder import (
     ReorderBuffer,
     SeqClass,
 )
-from dissoc.protocol.seq import check_seq, fmt_seq, next_seq
+from dissoc.protocol.seq import SEQ_MAX, check_seq, fmt_seq
 from dissoc.protocol.tags import (
     BODY_PACKED,
     BODY_PAIRS,
@@ -60,6 +62,9 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+
+#: The 5-byte metadata-message prefix (type byte, little-endian u32 sequence number).
+_METADATA_HEADER = struct.Struct("<BI")
 
 #: The largest tag of a packed body (body type 0 in bits 56-63, reserved bits 32-55 clear): the seq itself.
 _PACKED_TAG_MAX = 0xFFFF_FFFF
@@ -135,7 +140,7 @@ class ServerStream:
 
     def _take(self) -> int:
         seq = self._next
-        self._next = next_seq(seq)
+        self._next = (seq + 1) & SEQ_MAX
         self._sent += 1
         return seq
 
@@ -155,19 +160,21 @@ class ServerStream:
         ``body_type`` (:data:`~dissoc.protocol.tags.BODY_PACKED` or :data:`~dissoc.protocol.tags.BODY_PAIRS`)
         says how its body will be sent; it is ignored when ``has_body`` is false.
         """
-        self._require("message", ServerState.STREAMING)
-        if len(as_byte_view(metadata)) == 0:
+        if self._state is not ServerState.STREAMING:
+            self._require("message", ServerState.STREAMING)
+        if not (len(metadata) if type(metadata) is bytes else len(as_byte_view(metadata))):
             raise ValueError("message metadata must not be empty")
         if has_body and body_type not in KNOWN_BODY_TYPES:
             make_body_tag(0, body_type)  # raises: validated before a sequence number is consumed
         seq = self._take()
-        # seq comes from _take (valid) and body_type was checked: the tag needs no further validation.
+        # seq comes from _take (valid) and body_type was checked: header and tag need no further checks.
         tag = (body_type << BODY_TYPE_SHIFT) | seq if has_body else None
-        if tag is None:
-            _log.debug("server: message seq=0x%08x (no body)", seq)
-        else:
-            _log.debug("server: message seq=0x%08x tag=0x%016x", seq, tag)
-        return ServerMessage(encode_metadata_header(seq), seq, tag)
+        if _log.isEnabledFor(logging.DEBUG):
+            if tag is None:
+                _log.debug("server: message seq=0x%08x (no body)", seq)
+            else:
+                _log.debug("server: message seq=0x%08x tag=0x%016x", seq, tag)
+        return ServerMessage(_METADATA_HEADER.pack(MessageType.METADATA, seq), seq, tag)
 
     def end(self) -> bytes:
         """The end-of-stream message (it carries the next unused sequence number)."""

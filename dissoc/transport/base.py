@@ -78,6 +78,8 @@ Allocator: TypeAlias = "Callable[[int, int], BytesLike]"
 Handler: TypeAlias = "Callable[[Connection], Awaitable[None]]"
 
 _U64_MAX = TAG_MASK_ALL
+#: memoryview formats of one byte per item (a slice of such a view counts bytes).
+_BYTE_FORMATS = frozenset({"B", "b", "c"})
 
 
 class FrameError(TransportError, ProtocolError):
@@ -163,6 +165,10 @@ def as_views(data: SendData) -> tuple[list[memoryview], int]:
             view = memoryview(item)  # type: ignore[arg-type]
             views.append(view)
             total += view.nbytes
+            continue
+        if kind is memoryview and item.format in _BYTE_FORMATS and item.c_contiguous:  # type: ignore[union-attr]
+            views.append(item)  # type: ignore[arg-type]  # one byte per item: slices count bytes
+            total += item.nbytes  # type: ignore[union-attr]
             continue
         if device_nbytes(item) is not None:
             raise TransportError("this transport sends host memory only: copy device buffers to the host")
