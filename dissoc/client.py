@@ -226,6 +226,10 @@ class _Session:
         self.stalled_bodies: deque[tuple[int, Any, int]] = deque()
         self.stalled_bytes = 0
         self._retrying = False
+        # On one connection carrying both streams in order, a metadata message waits here for the tagged
+        # message after it, so that the pair goes through the stream in one step (its body, usually).
+        self.pairing = False
+        self.held: Any = None
         self.stats = FetchStats()
         self._flush_scheduled = False
         ordered = options.ordered_metadata
@@ -322,6 +326,7 @@ class _Session:
             meta.set_receiver(_Taker(self, meta, metadata=True, bodies=False))
             data.set_receiver(_Taker(self, data, metadata=False, bodies=True))
         else:
+            self.pairing = self.ordered
             meta.set_receiver(_Taker(self, meta, metadata=True, bodies=True))
         await meta.send_tagged(self.meta_uri.want_data, self.ticket)
         if self.split:
@@ -348,6 +353,12 @@ class _Session:
 
     def connection_failed(self, exc: DissocError) -> None:
         if not self.done and not self.stream.finished:
+            if self.held is not None:
+                try:
+                    self._flush_held()
+                except BaseException as error:
+                    self._failed(error)
+                    return
             self._failed(exc)
 
     def _publish(self, events: list[Any]) -> None:
@@ -380,6 +391,8 @@ class _Session:
         if self.metadata_done:
             return False
         try:
+            if self.held is not None:
+                self._flush_held()
             prefix = peek_prefix(buf)
             if prefix is not None and prefix[0] in _ORDERED_TYPES:
                 kind, seq = prefix
@@ -389,10 +402,23 @@ class _Session:
                     self.stalled_metadata.append(buf)
                     self._stalled(conn, len(buf))
                     return True
+                if (
+                    self.pairing
+                    and kind == MessageType.METADATA
+                    and self.stream.state is ClientState.STREAMING
+                    and not self.stalled_bodies
+                ):
+                    self.held = buf
+                    return True
             self._metadata(buf)
         except BaseException as exc:  # handed to the consumer, which raises it
             self._failed(exc)
         return True
+
+    def _flush_held(self) -> None:
+        """The held metadata message goes through the stream on its own (what followed it was not a body)."""
+        held, self.held = self.held, None
+        self._metadata(held)
 
     def _metadata(self, buf: Any) -> None:
         stream = self.stream
@@ -428,6 +454,17 @@ class _Session:
             if tag == ARENA_TAG:
                 self._arena_announced(decode_arena(TaggedMessage(tag, payload).view()))
                 return True
+            held = self.held
+            if held is not None:
+                self.held = None
+                if body_type_of(tag) == BODY_PACKED:
+                    self.in_flight += nbytes
+                    self._publish(self.stream.receive_message_with_body(held, tag, payload, nbytes))
+                    if self.stream.metadata_complete or self.stream.finished:
+                        self.metadata_done = True
+                    self._update_pause()
+                    return True
+                self._metadata(held)
             self.in_flight += nbytes
             if self.stalled_bodies or self._ahead(seq_of(tag)):
                 self.stalled_bodies.append((tag, payload, nbytes))
@@ -526,6 +563,9 @@ class _Session:
             try:
                 await asyncio.wait_for(waiter, self.options.timeout)
             except TimeoutError:
+                if self.held is not None:  # nothing followed it: let the stream see it before it is asked
+                    with contextlib.suppress(DissocError):
+                        self._flush_held()
                 missing = [fmt_seq(m) for m in self.stream.missing()[:8]]
                 if self.stream.state is ClientState.ENDED and not self.stream.metadata_complete:
                     # The server said how many messages it sent, and metadata for some never came.

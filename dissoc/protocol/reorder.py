@@ -450,6 +450,24 @@ class ReorderBuffer(Generic[M, B]):
         _log.debug("body seq=0x%08x type=%d (%d bytes)", seq, body_type, nbytes)
         return self._release() if seq == self._next and slot.complete else []
 
+    def release_next(
+        self, seq: int, metadata: M, body_type: int, body: B, nbytes: int, meta_nbytes: int = 0
+    ) -> Complete[M, B] | None:
+        """The metadata and body of message ``seq`` at once, when it is the next to release and nothing is
+        held: released without being held (what :meth:`add_metadata` then :meth:`add_body` would do, in one
+        step). None when that is not the case: the caller then goes through those two, which check the rest.
+        """
+        if (
+            seq != self._next
+            or self._slots
+            or self._eos is not None
+            or meta_nbytes + nbytes > self._max_pending_bytes - self._pending_bytes
+        ):
+            return None
+        self._next = (seq + 1) & SEQ_MAX
+        self._released += 1
+        return Complete(seq, metadata, body_type, body, nbytes)
+
     def end(self, eos_seq: int) -> list[Complete[M, B]]:
         """Record the end-of-stream message carrying ``eos_seq`` (the next unused sequence number, that is the
         count of metadata messages modulo 2**32).

@@ -17,6 +17,7 @@ import numpy as np
 
 from dissoc.errors import DissocError, ProtocolError, RemoteError
 from dissoc.protocol.framing import (
+    PREFIX_SIZE,
     BytesLike,
     EndOfStream,
     ErrorMessage,
@@ -416,6 +417,31 @@ class ClientStream:
             return self._on_body(tag, payload, nbytes)
         except Exception as exc:
             self._fail(exc)
+
+    def receive_message_with_body(
+        self, buf: BytesLike, tag: int, payload: object, nbytes: int
+    ) -> list[ClientEvent]:
+        """A metadata-stream message and the tagged message that followed it on the same in-order connection:
+        the same as :meth:`receive_metadata_message` then :meth:`receive_body`, with the same events and
+        errors, in one step when the pair is the next message to release (the common case of a stream sent
+        in order over one connection)."""
+        if self._state is ClientState.STREAMING and type(tag) is int and 0 <= tag <= _PACKED_TAG_MAX:
+            try:
+                mv = as_byte_view(buf)
+                if len(mv) > PREFIX_SIZE:
+                    kind, seq = _METADATA_HEADER.unpack_from(mv)
+                    if kind == MessageType.METADATA and seq == tag:
+                        metadata = mv[PREFIX_SIZE:]
+                        if self._has_body(metadata):
+                            done = self._reorder.release_next(
+                                seq, metadata, BODY_PACKED, payload, nbytes, len(metadata)
+                            )
+                            if done is not None:
+                                return [MessageReady(seq, metadata, BODY_PACKED, payload)]
+            except Exception as exc:
+                self._fail(exc)
+        events = self.receive_metadata_message(buf)
+        return events + self.receive_body(tag, payload, nbytes)
 
     def close(self) -> None:
         """Declare that no more input will arrive; raise :class:`~dissoc.errors.ProtocolError` unless done.

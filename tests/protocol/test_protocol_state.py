@@ -597,3 +597,74 @@ def test_garbage_raises_only_dissoc_errors(sequence: list[tuple[str, object]]) -
                 assert isinstance(ev, StreamEnded)
                 assert ev.count == released
                 assert c.finished
+
+
+# -- metadata and body in one step --------------------------------------------------------------------------
+
+
+def _events_key(events: list[ClientEvent]) -> list[tuple[object, ...]]:
+    out: list[tuple[object, ...]] = []
+    for ev in events:
+        if isinstance(ev, MessageReady):
+            out.append(("ready", ev.seq, bytes(ev.metadata), ev.body_type, ev.body))
+        else:
+            out.append((type(ev).__name__, getattr(ev, "seq", None)))
+    return out
+
+
+def _outcome(pair: bool, inputs: list[tuple[bytes, int, bytes]]) -> list[object]:
+    """What a stream makes of (metadata, tag, body) triples, fed in one step or two; errors included."""
+    c = ClientStream(has_body, window=4, max_pending_bytes=64)
+    results: list[object] = [_events_key(c.receive_metadata_message(meta(0, b"S")))]
+    for buf, tag, body in inputs:
+        try:
+            if pair:
+                events = c.receive_message_with_body(buf, tag, body, len(body))
+            else:
+                events = c.receive_metadata_message(buf)
+                events = events + c.receive_body(tag, body, len(body))
+            results.append(_events_key(events))
+        except DissocError as exc:
+            results.append((type(exc).__name__, str(exc)))
+        results.append((c.state, c.next_seq, c.released, c.pending_bytes))
+    return results
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        [(meta(1, b"B1"), 1, b"x" * 8), (meta(2, b"B2"), 2, b"y" * 8)],  # in order: the one-step path
+        [(meta(2, b"B2"), 2, b"y" * 8), (meta(1, b"B1"), 1, b"x" * 8)],  # ahead first: held, then both
+        [(meta(1, b"B1"), 2, b"x" * 8)],  # the body of another message
+        [(meta(1, b"N1"), 1, b"x" * 8)],  # a body for metadata without one
+        [(meta(1, b"B1"), 1, b"x" * 8), (meta(1, b"B1"), 1, b"x" * 8)],  # a duplicate
+        [(meta(1, b"B1"), 1, b"x" * 100)],  # over max_pending_bytes
+        [(meta(9, b"B9"), 9, b"x" * 8)],  # beyond the window
+        [(encode_eos(1), 1, b"x" * 8)],  # not metadata
+        [(meta(1, b"B1"), (1 << 56) | 1, encode_pairs([(64, 8)]))],  # pairs: the two-step path
+        [(b"\x00\x01", 1, b"x" * 8)],  # too short for a prefix
+    ],
+)
+def test_message_with_body_is_the_two_steps_in_one(inputs: list[tuple[bytes, int, bytes]]) -> None:
+    assert _outcome(True, inputs) == _outcome(False, inputs)
+
+
+def test_message_with_body_after_failure_and_from_a_failing_codec() -> None:
+    c = ClientStream(has_body)
+    c.receive_metadata_message(meta(0, b"S"))
+    c.receive_body(make_body_tag(7, BODY_PACKED), b"x", 1)  # held until its metadata comes
+    with pytest.raises(ProtocolError, match="duplicate"):
+        c.receive_message_with_body(meta(7, b"B7"), 7, b"x", 1)
+    with pytest.raises(ProtocolError, match="already failed"):
+        c.receive_message_with_body(meta(1, b"B1"), 1, b"x", 1)
+
+    def picky(mv: memoryview) -> bool:
+        if bytes(mv) == b"X":
+            raise CodecError("not a flatbuffer")
+        return has_body(mv)
+
+    c2 = ClientStream(picky)
+    c2.receive_metadata_message(meta(0, b"S"))
+    with pytest.raises(CodecError, match="not a flatbuffer"):
+        c2.receive_message_with_body(meta(1, b"X"), 1, b"x", 1)
+    assert state_of(c2) is ClientState.FAILED
