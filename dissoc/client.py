@@ -14,12 +14,14 @@ and the transport stops reading from the socket beyond its own budget, so a slow
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -27,6 +29,7 @@ import pyarrow as pa
 
 from dissoc.buffers import buffer_nbytes, default_allocator
 from dissoc.codec import MessageDecoder
+from dissoc.connection_pool import own, owned, pool_of
 from dissoc.errors import DissocError, ProtocolError, RemoteError, ResourceError, TransportError
 from dissoc.flight.common import DEFAULT_TIMEOUT, is_flight_location
 from dissoc.memory.pairs import PairReader, open_pair_reader
@@ -71,6 +74,7 @@ __all__ = [
     "ClientOptions",
     "FetchStats",
     "StreamReader",
+    "close_idle_connections",
     "fetch",
     "fetch_async",
     "open_stream",
@@ -120,6 +124,12 @@ class ClientOptions:
     it signed; a dissoc URI gets it in place of the ticket when the ticket is the dataset's name the token
     is for (a ticket that is already signed is sent as it is). A signed ticket given as the ticket to a
     Flight location, with no ``token``, is used as the bearer token for the name it carries.
+    ``reuse_connections``: a stream of packed bodies that ended cleanly leaves its connections to the next
+    stream to the same server from the same event loop, as the server waits for another request on them;
+    they are dropped after 5 s unused (see :mod:`dissoc.connection_pool`). None (the default): only in the
+    loop the synchronous API runs (the main thread's, closed at exit); True: in any loop (close them with
+    :func:`close_idle_connections` before the loop ends); False: every stream connects afresh and closes
+    its connections.
     """
 
     timeout: float = 30.0
@@ -136,6 +146,7 @@ class ClientOptions:
     tls_cert: str | None = None
     tls_key: str | None = None
     token: str | None = None
+    reuse_connections: bool | None = None
 
 
 @dataclass(slots=True)
@@ -198,7 +209,13 @@ class _Session:
     """
 
     def __init__(
-        self, meta_uri: DissocURI, data_uri: DissocURI, ticket: bytes, options: ClientOptions
+        self,
+        meta_uri: DissocURI,
+        data_uri: DissocURI,
+        ticket: bytes,
+        options: ClientOptions,
+        *,
+        pooled: bool = True,
     ) -> None:
         self.meta_uri = meta_uri
         self.data_uri = data_uri
@@ -230,6 +247,16 @@ class _Session:
         # message after it, so that the pair goes through the stream in one step (its body, usually).
         self.pairing = False
         self.held: Any = None
+        # Connections carrying packed bodies come from, and go back to, the loop's pool (connection_pool).
+        self.pooled = (
+            pooled
+            and options.reuse_connections is not False
+            and data_uri.memory is None
+            and not options.zero_copy
+            and options.landing == "host"
+        )
+        self.reused = False  # some connection came from the pool
+        self.errored = False
         self.stats = FetchStats()
         self._flush_scheduled = False
         ordered = options.ordered_metadata
@@ -303,13 +330,37 @@ class _Session:
         except OSError as e:
             raise TransportError(f"connecting to {uri.host}:{uri.port} failed: {e}") from None
 
+    def _pool_key(self, uri: DissocURI) -> Hashable:
+        o = self.options
+        return (
+            uri.scheme,
+            uri.host,
+            uri.port,
+            uri.params.get("worker"),
+            o.ucx_path,
+            o.tls_ca,
+            o.tls_cert,
+            o.tls_key,
+            o.max_buffered_bytes,
+        )
+
+    async def _open(self, uri: DissocURI) -> Connection:
+        if self.pooled:
+            conn = await pool_of(asyncio.get_running_loop()).take(self._pool_key(uri))
+            if conn is not None:
+                self.reused = True
+                return conn
+        return await self._connect(uri)
+
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        meta = await self._connect(self.meta_uri)
+        self._loop = loop = asyncio.get_running_loop()
+        if self.pooled and self.options.reuse_connections is None and not owned(loop):
+            self.pooled = False  # an application's loop: pooling is asked for explicitly there
+        meta = await self._open(self.meta_uri)
         self.conns.append(meta)
         data = meta
         if self.split:
-            data = await self._connect(self.data_uri)
+            data = await self._open(self.data_uri)
             self.conns.append(data)
         self.meta_conn, self.data_conn = meta, data
         device = self.device
@@ -344,6 +395,7 @@ class _Session:
         if self.done:
             return
         self.done = True
+        self.errored = True
         if isinstance(exc, TransportError):
             # The server is gone: a burst of batches already handed over must not delay the error until
             # the consumer has worked through it (see _Chunk).
@@ -701,7 +753,22 @@ class _Session:
     async def _shutdown(self) -> None:
         with contextlib.suppress(DissocError):
             await self.flush_frees()
+        clean = (
+            self.pooled
+            and self.stream.finished
+            and not self.errored
+            and self.held is None
+            and not self.stalled_metadata
+            and not self.stalled_bodies
+        )
         for c in self.conns:
+            if clean and not c.closed:
+                # The server waits for this connection's next want_data: the next stream here takes it.
+                pool_of(asyncio.get_running_loop()).give(
+                    self._pool_key(self.meta_uri if c is self.meta_conn else self.data_uri), c
+                )
+                continue
+            c.set_receiver(None)
             with contextlib.suppress(DissocError):
                 await c.close()
         if self.pairs is not None:
@@ -845,11 +912,26 @@ async def _stream_one(
     data = _as_uri(data_uri) if data_uri is not None else meta
     session = _Session(meta, data, _ticket_bytes(ticket), opts)
     try:
-        await session.start()
+        first: MessageReady | SchemaReceived | StreamEnded | None = None
+        try:
+            await session.start()
+            first = await session.next_event()
+        except TransportError:
+            if not session.reused:
+                raise
+            # A pooled connection the server had dropped meanwhile (restarted, or its idle limit): once more,
+            # on fresh connections.
+            log.debug("a reused connection failed before the stream began; connecting afresh")
+            await session.close()
+            session = _Session(meta, data, _ticket_bytes(ticket), opts, pooled=False)
+            await session.start()
         ended = False
         while not ended:
             chunk = _Chunk(session)
-            ev = await session.next_event()
+            if first is not None:
+                ev, first = first, None
+            else:
+                ev = await session.next_event()
             while True:
                 if isinstance(ev, StreamEnded):
                     ended = True
@@ -1002,7 +1084,11 @@ def _run(coro_factory: Callable[[], Any]) -> Any:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coro_factory())
+        runner = _main_runner() or _LoopRunner()
+        try:
+            return runner.run(coro_factory())
+        finally:
+            runner.close()
     result: list[Any] = []
     error: list[BaseException] = []
 
@@ -1066,7 +1152,7 @@ class StreamReader:
         if options is not None and options.zero_copy:
             self._runner = _SharedRunner.get()  # zero-copy sessions outlive the reader (see ClientOptions)
         else:
-            self._runner = _ThreadRunner() if in_loop else _LoopRunner()
+            self._runner = _ThreadRunner() if in_loop else (_main_runner() or _LoopRunner())
 
     def _set_schema(self, schema: pa.Schema) -> None:
         self._schema = schema
@@ -1144,23 +1230,56 @@ class _LoopRunner:
     call, and ``signal.getsignal`` formats the handler, which holds the previous call's task, whose result is
     a burst of batches: pyarrow formats their values, milliseconds per call. Ctrl-C here interrupts the loop
     with ``KeyboardInterrupt`` as in any synchronous call.
+
+    The main thread's synchronous calls share one such loop (:func:`_main_runner`), so that connections left
+    in its pool by one call serve the next; ``close`` does nothing to it, :meth:`shutdown` (at exit) does.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, shared: bool = False) -> None:
         self._loop = asyncio.new_event_loop()
+        self._shared = shared
+        own(self._loop)
 
     def run(self, coro: Any) -> Any:
         return self._loop.run_until_complete(coro)
 
     def close(self) -> None:
+        if not self._shared:
+            self.shutdown()
+
+    def shutdown(self) -> None:
         loop = self._loop
         if loop.is_closed():
             return
         try:
+            loop.run_until_complete(pool_of(loop).aclose())
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.run_until_complete(loop.shutdown_default_executor())
         finally:
             loop.close()
+
+
+_main: _LoopRunner | None = None
+
+
+def _main_runner() -> _LoopRunner | None:
+    """The main thread's shared loop (None in other threads: each call there gets a loop of its own)."""
+    global _main
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if _main is None:
+        _main = _LoopRunner(shared=True)
+        atexit.register(_main.shutdown)
+    return _main
+
+
+def _forget_main_runner() -> None:
+    """In a forked child the parent's loop and pooled connections are the parent's: never use them."""
+    global _main
+    _main = None
+
+
+os.register_at_fork(after_in_child=_forget_main_runner)
 
 
 class _ThreadRunner:
@@ -1195,6 +1314,11 @@ class _SharedRunner(_ThreadRunner):
 
     def close(self) -> None:
         """Never stopped by a reader: other sessions may still be using it."""
+
+
+async def close_idle_connections() -> None:
+    """Close the connections the running loop's pool keeps for later streams (``reuse_connections``)."""
+    await pool_of(asyncio.get_running_loop()).aclose()
 
 
 def open_stream(
