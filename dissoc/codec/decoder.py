@@ -24,6 +24,7 @@ from dissoc.codec import cdata
 from dissoc.codec.byteswap import swap
 from dissoc.codec.checks import check_node, check_run_ends
 from dissoc.codec.compression import decompress_buffer
+from dissoc.codec.ipcread import FramedSource, frame_parts, frame_room
 from dissoc.codec.message import HeaderType, ParsedMessage, RecordBatchHeader, parse
 from dissoc.codec.plan import (
     SCHEMAS,
@@ -49,11 +50,12 @@ from dissoc.codec.sizes import (
 )
 from dissoc.errors import CodecError
 
-__all__ = ["MessageDecoder", "ParsedMessage", "ScatteredBody", "parse"]
+__all__ = ["MessageDecoder", "ParsedMessage", "ScatteredBody", "frame_room", "parse"]
 
 log = logging.getLogger(__name__)
 
-_SMALL_BATCH_ROWS = 8192
+_read_message = pa.ipc.read_message
+_read_record_batch = pa.ipc.read_record_batch
 
 
 def _concat(a: pa.Array, b: pa.Array) -> pa.Array:
@@ -97,6 +99,12 @@ class MessageDecoder:
     ends are checked (see :mod:`dissoc.codec.checks`), so that malformed data from the wire raises
     :class:`CodecError` instead of producing arrays that read out of bounds; buffer sizes are always checked.
     Turn it off only for trusted producers.
+
+    Packed, uncompressed little-endian host bodies whose metadata this decoder has checked once are built by
+    pyarrow's C++ IPC reader, still over the body received (see :mod:`dissoc.codec.ipcread`); the others
+    (dictionary-encoded columns, compressed or big-endian bodies, V4 unions, scattered bodies) through the C
+    Data Interface. A receiver that can put the body right after some headroom gets the cheapest decode
+    with :meth:`decode_landed`.
     """
 
     def __init__(
@@ -117,6 +125,7 @@ class MessageDecoder:
         self._parsed: dict[bytes, ParsedMessage] = {}
         self.dictionaries: dict[int, pa.Array] = {}
         self._version = 4
+        self._source: FramedSource | None = None  # made on first use: one per decoder, refilled per batch
         if schema is not None:
             raise CodecError("MessageDecoder(schema=...) is not supported: decode the schema message first")
 
@@ -146,6 +155,10 @@ class MessageDecoder:
         them those caches, are shared by the decoders of a process.
         """
         key = bytes(metadata) if isinstance(metadata, (bytes, memoryview)) else None
+        if key is not None:
+            prep = self._prepared.get(key)
+            if prep is not None and prep.frame is not None and not isinstance(body, ScatteredBody):
+                return self._decode_ipc(prep, body)
         if key is not None and self._info is None:
             known = SCHEMAS.get(key)
             if known is not None:
@@ -264,8 +277,119 @@ class MessageDecoder:
         if prep is None or prep.compiled is not c:
             prep = self._prepare(c, h, body_length)
             if key is not None:
+                if c.ipc_ok and not bool((h.buffers[:, 0] & 7).any()):
+                    # pyarrow's reader refuses buffers at offsets that are not multiples of 8
+                    prep.frame = frame_parts(key)
+                    prep.head = b"".join(prep.frame)
                 remember(cache, key, prep)
+        if prep.frame is not None:
+            return self._decode_ipc(prep, body)
         return self._instantiate(c, prep, body)
+
+    # ------------------------------------------------------------------------- through pyarrow's IPC reader
+
+    def _decode_ipc(self, prep: Prepared, body: object) -> pa.RecordBatch:
+        """A batch whose layout is checked and cached (``prep.frame`` set), built by pyarrow over ``body``."""
+        c = prep.compiled
+        need = prep.body_length
+        buf: pa.Buffer | None = None
+        if type(body) is bytes:
+            size = len(body)
+            piece: object = body if size == need else memoryview(body)[:need]
+        else:
+            buf = body if isinstance(body, pa.Buffer) else _as_buffer(body)
+            size = buf.size
+            piece = buf if size == need else buf.slice(0, need)
+        if size < need:
+            raise CodecError(f"message body: expected {need} bytes, got {size}")
+        checked = (c.checked if prep.small else c.checked_all) if self.validate else None
+        if checked:
+            if buf is None:
+                buf = pa.py_buffer(body)
+            self._check(
+                c,
+                prep.nodes,
+                prep.nbuf,
+                prep.first,
+                prep.offsets + np.uint64(buf.address),
+                prep.lengths,
+                checked,
+            )
+        source = self._source
+        if source is None:
+            source = self._source = FramedSource()
+        assert prep.frame is not None
+        try:
+            batch = _read_record_batch(_read_message(source.message(prep.frame, piece)), c.schema)
+        except (pa.ArrowException, ValueError, TypeError, OSError):
+            # pyarrow refuses what our checks accepted: our codec decides, on the C Data Interface path
+            source.clear()
+            return self._ipc_refused(prep, buf if buf is not None else pa.py_buffer(body))
+        self._validate_ipc(prep, batch, buf if buf is not None else body)
+        return batch
+
+    def _ipc_refused(self, prep: Prepared, body: pa.Buffer) -> pa.RecordBatch:
+        log.debug("pyarrow's IPC reader refused a checked layout; decoding it through the C Data Interface")
+        prep.frame = None
+        return self._instantiate(prep.compiled, prep, body)
+
+    def _validate_ipc(self, prep: Prepared, batch: pa.RecordBatch, body: object) -> None:
+        """The checks pyarrow's validation does on a batch its IPC reader built over ``body``.
+
+        Its data buffers are the metadata's (not sized from the offsets, as the C importer sizes them), so
+        full validation sees binary offsets past the data received, which :meth:`_check_offset_bounds` checks
+        on the other path; that check runs here only once validation failed, to say what is wrong the same
+        way."""
+        c = prep.compiled
+        try:
+            if self.validate and prep.small and c.full_columns:
+                if c.whole_full:
+                    batch.validate(full=True)  # includes the cheap validation
+                else:
+                    batch.validate()
+                    batch.select(c.full_columns).validate(full=True)
+            else:
+                batch.validate()
+        except (pa.ArrowException, ValueError) as e:
+            if self.validate and prep.small and c.offset_bounds:
+                address = body.address if isinstance(body, pa.Buffer) else pa.py_buffer(body).address
+                self._check_offset_bounds(c, prep, address)
+            raise CodecError(f"RecordBatch: invalid data: {e}") from None
+
+    def decode_landed(self, metadata: object, landing: pa.Buffer) -> pa.RecordBatch | None:
+        """Decode one message whose body was landed after ``frame_room(len(metadata))`` spare bytes.
+
+        ``landing`` is one writable allocation: ``frame_room(len(metadata))`` bytes of room (their contents
+        are overwritten), then the body. For a batch whose metadata this decoder has seen before, the
+        encapsulation framing and the metadata are written into the room and pyarrow reads the whole
+        allocation as one message, so nothing is copied and nothing is read through Python; everything else
+        decodes as ``decode(metadata, landing.slice(room))`` would. The same checks run either way.
+        """
+        if not isinstance(landing, pa.Buffer):
+            raise CodecError(f"the landing must be a pa.Buffer, got {type(landing).__name__}")
+        key = bytes(metadata) if isinstance(metadata, (bytes, memoryview)) else None
+        if key is None:
+            raise CodecError(f"metadata must be bytes-like, got {type(metadata).__name__}")
+        room = frame_room(len(key))
+        if landing.size < room:
+            raise CodecError(f"the landing holds {landing.size} bytes, less than the {room} bytes of room")
+        prep = self._prepared.get(key)
+        if prep is None or prep.frame is None or not landing.is_mutable:
+            return self.decode(key, landing.slice(room))
+        c = prep.compiled
+        if landing.size - room < prep.body_length:
+            raise CodecError(f"message body: expected {prep.body_length} bytes, got {landing.size - room}")
+        checked = (c.checked if prep.small else c.checked_all) if self.validate else None
+        if checked:
+            at = np.uint64(landing.address + room)
+            self._check(c, prep.nodes, prep.nbuf, prep.first, prep.offsets + at, prep.lengths, checked)
+        ctypes.memmove(landing.address, prep.head, room)  # the framing and metadata, into the room
+        try:
+            batch = _read_record_batch(_read_message(landing), c.schema)
+        except (pa.ArrowException, ValueError, TypeError, OSError):
+            return self._ipc_refused(prep, landing.slice(room))
+        self._validate_ipc(prep, batch, landing.slice(room))
+        return batch
 
     def _layout(self, c: Compiled, h: RecordBatchHeader, limit: int) -> npt.NDArray[np.int64]:
         """Check the header against the schema and a ``limit``-byte body; returns IPC buffers per node."""
@@ -324,7 +448,7 @@ class MessageDecoder:
                     f"RecordBatch: dictionary id {did} is used before any DictionaryBatch for it"
                 )
         address = 0 if prep.absolute else body.address
-        small = prep.nodes[0, 0] <= _SMALL_BATCH_ROWS if len(prep.nodes) else True
+        small = prep.small
         checked = c.checked if small else c.checked_all
         if checked and self.validate:
             self._check(

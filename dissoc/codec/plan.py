@@ -27,6 +27,7 @@ __all__ = [
     "CACHE_SIZE",
     "SCHEMAS",
     "SCHEMAS_LOCK",
+    "SMALL_BATCH_ROWS",
     "Compiled",
     "Prepared",
     "build_template",
@@ -145,6 +146,13 @@ class Compiled:
             else:
                 self.checked.extend(risky_nodes)
         self.all_full = len(self.full_columns) == len(plans)
+        # Every column's full validation judges memory safety only: one full validation of the whole batch
+        # then checks what validating the risky columns would, without selecting them first.
+        self.whole_full = all(fully_validatable(p.field.type) for p in plans)
+        # Batches pyarrow's IPC reader can build from our checked metadata (dissoc.codec.ipcread): not with
+        # dictionaries (pyarrow would need them in its own memo) nor V4 unions (a validity buffer that the
+        # reader of a V5 schema does not expect).
+        self.ipc_ok = not self.dict_nodes and not bool(self.drop_first.any())
         # Large batches check every risky node with numpy instead: pyarrow's full validation also checks
         # UTF-8, which costs more per byte than numpy's offset checks.
         self.checked_all = [i for i, p in enumerate(flat) if p.layout in risky or p.dict_id >= 0]
@@ -158,6 +166,9 @@ def exclusive_cumsum(a: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
 
 
 CACHE_SIZE = 64
+#: Batches of at most this many rows get pyarrow's full validation as (part of) their content checks; larger
+#: ones get the numpy checks of :mod:`dissoc.codec.checks` only (see :attr:`Compiled.checked_all`).
+SMALL_BATCH_ROWS = 8192
 #: Schemas decoded in this process, by their Schema message bytes: (schema info, version, compiled plans).
 #: A client opens one stream per request, each starting with the same Schema message; sharing the compiled
 #: plans (and, through them, the parsed and prepared batch layouts) saves ~0.35 ms per stream. Everything
@@ -194,6 +205,12 @@ class Prepared:
     lengths: npt.NDArray[np.int64]
     body_length: int
     absolute: bool = False
+    #: For pyarrow's IPC reader (:mod:`dissoc.codec.ipcread`): the framing pieces of this metadata, and the
+    #: same joined; None where this layout stays on the C Data Interface import.
+    frame: tuple[bytes, bytes, bytes] | None = None
+    head: bytes = b""
+    #: Few enough rows for pyarrow's full validation to be the cheaper content check.
+    small: bool = True
 
 
 def relative_pointers(
@@ -291,4 +308,5 @@ def build_template(
         lengths=lens,
         body_length=body_length or 0,
         absolute=body_length is None,
+        small=bool(nodes[0, 0] <= SMALL_BATCH_ROWS) if len(nodes) else True,
     )
