@@ -100,11 +100,12 @@ class MessageDecoder:
     :class:`CodecError` instead of producing arrays that read out of bounds; buffer sizes are always checked.
     Turn it off only for trusted producers.
 
-    Packed, uncompressed little-endian host bodies whose metadata this decoder has checked once are built by
-    pyarrow's C++ IPC reader, still over the body received (see :mod:`dissoc.codec.ipcread`); the others
-    (dictionary-encoded columns, compressed or big-endian bodies, V4 unions, scattered bodies) through the C
-    Data Interface. A receiver that can put the body right after some headroom gets the cheapest decode
-    with :meth:`decode_landed`.
+    With ``ipc_reader`` (the default), batches in packed, uncompressed little-endian host bodies whose layout
+    our checks accepted are built by pyarrow's C++ IPC reader, still over the body received (see
+    :mod:`dissoc.codec.ipcread`); the others (dictionary-encoded columns, compressed or big-endian bodies, V4
+    unions, scattered bodies) through the C Data Interface, as every batch is with ``ipc_reader=False``. The
+    same checks run either way. A receiver that can put the body right after some headroom gets the
+    cheapest decode with :meth:`decode_landed`.
     """
 
     def __init__(
@@ -114,8 +115,11 @@ class MessageDecoder:
         max_buffer_bytes: int = 1 << 34,
         allow_dictionary_replacement: bool = True,
         schema: pa.Schema | None = None,
+        ipc_reader: bool = True,
     ) -> None:
         self.validate = validate
+        #: Whether eligible batches are built by pyarrow's IPC reader (False: all by the C Data Interface).
+        self.ipc_reader = ipc_reader
         self.max_buffer_bytes = max_buffer_bytes
         self.allow_dictionary_replacement = allow_dictionary_replacement
         self._info: SchemaInfo | None = None
@@ -157,7 +161,13 @@ class MessageDecoder:
         key = bytes(metadata) if isinstance(metadata, (bytes, memoryview)) else None
         if key is not None:
             prep = self._prepared.get(key)
-            if prep is not None and prep.frame is not None and not isinstance(body, ScatteredBody):
+            # a batch layout checked before: straight to pyarrow's reader
+            if (
+                prep is not None
+                and prep.frame is not None
+                and self.ipc_reader
+                and type(body) is not ScatteredBody
+            ):
                 return self._decode_ipc(prep, body)
         if key is not None and self._info is None:
             known = SCHEMAS.get(key)
@@ -282,7 +292,7 @@ class MessageDecoder:
                     prep.frame = frame_parts(key)
                     prep.head = b"".join(prep.frame)
                 remember(cache, key, prep)
-        if prep.frame is not None:
+        if prep.frame is not None and self.ipc_reader:
             return self._decode_ipc(prep, body)
         return self._instantiate(c, prep, body)
 
@@ -374,7 +384,7 @@ class MessageDecoder:
         if landing.size < room:
             raise CodecError(f"the landing holds {landing.size} bytes, less than the {room} bytes of room")
         prep = self._prepared.get(key)
-        if prep is None or prep.frame is None or not landing.is_mutable:
+        if prep is None or prep.frame is None or not self.ipc_reader or not landing.is_mutable:
             return self.decode(key, landing.slice(room))
         c = prep.compiled
         if landing.size - room < prep.body_length:
