@@ -24,7 +24,7 @@ from dissoc.codec import cdata
 from dissoc.codec.byteswap import swap
 from dissoc.codec.checks import check_node, check_run_ends
 from dissoc.codec.compression import decompress_buffer
-from dissoc.codec.ipcread import FramedSource, frame_parts, frame_room
+from dissoc.codec.ipcread import FramedSource, distinct_sizes, frame_head, frame_parts, frame_room
 from dissoc.codec.message import HeaderType, ParsedMessage, RecordBatchHeader, parse
 from dissoc.codec.plan import (
     SCHEMAS,
@@ -287,10 +287,11 @@ class MessageDecoder:
         if prep is None or prep.compiled is not c:
             prep = self._prepare(c, h, body_length)
             if key is not None:
-                if c.ipc_ok and not bool((h.buffers[:, 0] & 7).any()):
-                    # pyarrow's reader refuses buffers at offsets that are not multiples of 8
-                    prep.frame = frame_parts(key)
-                    prep.head = b"".join(prep.frame)
+                # (pyarrow's reader refuses buffers at offsets that are not multiples of 8)
+                frame = frame_parts(key)
+                if c.ipc_ok and not bool((h.buffers[:, 0] & 7).any()) and distinct_sizes(frame, body_length):
+                    prep.frame = frame
+                    prep.head = frame_head(key)
                 remember(cache, key, prep)
         if prep.frame is not None and self.ipc_reader:
             return self._decode_ipc(prep, body)
@@ -330,12 +331,14 @@ class MessageDecoder:
             source = self._source = FramedSource()
         assert prep.frame is not None
         try:
-            batch = _read_record_batch(_read_message(source.message(prep.frame, piece)), c.schema)
+            message = _read_message(source.message(prep.frame, piece, need))
+            source.clear()
+            batch = _read_record_batch(message, c.schema)
         except (pa.ArrowException, ValueError, TypeError, OSError):
             # pyarrow refuses what our checks accepted: our codec decides, on the C Data Interface path
             source.clear()
             return self._ipc_refused(prep, buf if buf is not None else pa.py_buffer(body))
-        self._validate_ipc(prep, batch, buf if buf is not None else body)
+        self._validate_ipc(prep, batch, message, buf if buf is not None else body)
         return batch
 
     def _ipc_refused(self, prep: Prepared, body: pa.Buffer) -> pa.RecordBatch:
@@ -343,23 +346,36 @@ class MessageDecoder:
         prep.frame = None
         return self._instantiate(prep.compiled, prep, body)
 
-    def _validate_ipc(self, prep: Prepared, batch: pa.RecordBatch, body: object) -> None:
-        """The checks pyarrow's validation does on a batch its IPC reader built over ``body``.
+    def _validate_ipc(
+        self, prep: Prepared, batch: pa.RecordBatch, message: pa.ipc.Message, body: object
+    ) -> None:
+        """The checks pyarrow's validation does on a batch its IPC reader built from ``message`` over
+        ``body``.
 
         Its data buffers are the metadata's (not sized from the offsets, as the C importer sizes them), so
         full validation sees binary offsets past the data received, which :meth:`_check_offset_bounds` checks
         on the other path; that check runs here only once validation failed, to say what is wrong the same
-        way."""
+        way. Top-level string columns are validated as binary plus an ASCII check of their data (see
+        :attr:`Compiled.str_columns`), which accepts and refuses exactly what string validation does."""
         c = prep.compiled
         try:
-            if self.validate and prep.small and c.full_columns:
+            if not (self.validate and prep.small and c.full_columns):
+                batch.validate()
+            elif prep.as_binary:
+                # the same layout under binary types: the same checks but UTF-8, which _ascii makes
+                as_bin = _read_record_batch(message, c.bin_schema)
                 if c.whole_full:
-                    batch.validate(full=True)  # includes the cheap validation
+                    as_bin.validate(full=True)
                 else:
-                    batch.validate()
-                    batch.select(c.full_columns).validate(full=True)
+                    as_bin.validate()
+                    as_bin.select(c.full_columns).validate(full=True)
+                if not _ascii(prep, body):
+                    batch.select(c.str_columns).validate(full=True)
+            elif c.whole_full:
+                batch.validate(full=True)  # includes the cheap validation
             else:
                 batch.validate()
+                batch.select(c.full_columns).validate(full=True)
         except (pa.ArrowException, ValueError) as e:
             if self.validate and prep.small and c.offset_bounds:
                 address = body.address if isinstance(body, pa.Buffer) else pa.py_buffer(body).address
@@ -395,10 +411,11 @@ class MessageDecoder:
             self._check(c, prep.nodes, prep.nbuf, prep.first, prep.offsets + at, prep.lengths, checked)
         ctypes.memmove(landing.address, prep.head, room)  # the framing and metadata, into the room
         try:
-            batch = _read_record_batch(_read_message(landing), c.schema)
+            message = _read_message(landing)
+            batch = _read_record_batch(message, c.schema)
         except (pa.ArrowException, ValueError, TypeError, OSError):
             return self._ipc_refused(prep, landing.slice(room))
-        self._validate_ipc(prep, batch, landing.slice(room))
+        self._validate_ipc(prep, batch, message, landing.slice(room))
         return batch
 
     def _layout(self, c: Compiled, h: RecordBatchHeader, limit: int) -> npt.NDArray[np.int64]:
@@ -678,6 +695,17 @@ class MessageDecoder:
                     addrs[k] = arr.ctypes.data if arr.size else np.uint64(body.address)
                     lens[k] = arr.size
         return addrs, lens
+
+
+def _ascii(prep: Prepared, body: object) -> bool:
+    """Whether the data buffers of the top-level string columns hold ASCII bytes only (then every value in
+    them is valid UTF-8). The buffers lie in ``body``: checked when the layout was prepared."""
+    spans = prep.str_spans
+    if spans is None:
+        ks = (prep.first[prep.compiled.str_nodes] + 2).tolist()
+        spans = prep.str_spans = [(int(prep.offsets[k]), int(prep.offsets[k] + prep.lengths[k])) for k in ks]
+    view = memoryview(body)  # type: ignore[arg-type]
+    return b"".join([view[a:b] for a, b in spans]).isascii()
 
 
 def _as_buffer(body: object) -> pa.Buffer:

@@ -20,10 +20,11 @@ Content checks (offsets, views, union ids, run ends) are not pyarrow's job here:
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 import pyarrow as pa
 
-__all__ = ["FramedSource", "frame_parts", "frame_room"]
+__all__ = ["FramedSource", "distinct_sizes", "frame_head", "frame_parts", "frame_room"]
 
 _CONTINUATION = b"\xff\xff\xff\xff"
 _I32 = struct.Struct("<i")
@@ -37,43 +38,49 @@ def frame_room(metadata_length: int) -> int:
     return 8 + metadata_length + (-metadata_length) % 8
 
 
-def frame_parts(metadata: bytes) -> tuple[bytes, bytes, bytes]:
-    """The three pieces pyarrow's stream reader asks for, in order, before the body: continuation marker,
-    metadata length, padded metadata."""
+def frame_parts(metadata: bytes) -> tuple[bytes, bytes]:
+    """What pyarrow's stream reader asks for before the body, in the pre-1.0 framing that it still reads
+    (no continuation marker, which saves one read through Python): the metadata length, then the padded
+    metadata."""
     pad = (-len(metadata)) % 8
-    return _CONTINUATION, _I32.pack(len(metadata) + pad), metadata + bytes(pad)
+    return _I32.pack(len(metadata) + pad), metadata + bytes(pad)
+
+
+def frame_head(metadata: bytes) -> bytes:
+    """The encapsulation framing and padded metadata that go before a body, ``frame_room`` bytes in all."""
+    pad = (-len(metadata)) % 8
+    return _CONTINUATION + _I32.pack(len(metadata) + pad) + metadata + bytes(pad)
+
+
+_EMPTY: dict[int, object] = {}
+_NOTHING: Callable[[int], object | None] = _EMPTY.get
 
 
 class FramedSource:
     """A file object that reads as one encapsulated message: the framing, then a body object, never copied.
 
-    One per decoder, refilled for each message (:meth:`message`). ``read`` returns exactly what was asked for
-    or nothing (end of stream, which pyarrow reports as an error), so a framing that disagrees with what
-    pyarrow parses can never make it read past a piece.
+    One per decoder, loaded for each message (:meth:`message`). pyarrow's reader asks for the length (4
+    bytes), the metadata, then the body; ``read`` is a dictionary lookup by the size asked for (no Python
+    frame per read), so a request for any other size gets nothing, which pyarrow reports as an error. The
+    sizes must differ from one another (:func:`distinct_sizes`).
     """
 
     mode = "rb"
     closed = False
 
     def __init__(self) -> None:
-        self._parts: list[object] = []
+        self.read: Callable[[int], object | None] = _NOTHING
         self.file = pa.PythonFile(self, mode="r")
 
-    def message(self, parts: tuple[bytes, bytes, bytes], body: object) -> pa.NativeFile:
-        """Load one message (``body`` exactly as long as the metadata says) and return the stream to read."""
-        self._parts = [body, parts[2], parts[1], parts[0]]
+    def message(self, frame: tuple[bytes, bytes], body: object, body_length: int) -> pa.NativeFile:
+        """Load one message (``body`` exactly ``body_length`` bytes long) and return the stream to read."""
+        pieces: dict[int, object] = {4: frame[0], len(frame[1]): frame[1], body_length: body}
+        self.read = pieces.get
         return self.file
 
     def clear(self) -> None:
-        """Drop what was not read (after an error), so the body is not kept alive."""
-        self._parts = []
-
-    def read(self, n: int = -1) -> object:
-        parts = self._parts
-        if not parts:
-            return b""
-        part = parts.pop()
-        return part if len(part) == n else b""  # type: ignore[arg-type]
+        """Drop the pieces, so that the body is not kept alive."""
+        self.read = _NOTHING
 
     def readable(self) -> bool:
         return True
@@ -85,4 +92,9 @@ class FramedSource:
         return False
 
     def close(self) -> None:
-        self._parts = []
+        self.read = _NOTHING
+
+
+def distinct_sizes(frame: tuple[bytes, bytes], body_length: int) -> bool:
+    """Whether :class:`FramedSource` can tell the pieces of this message apart by their sizes."""
+    return len({4, len(frame[1]), body_length}) == 3
