@@ -24,7 +24,16 @@ from dissoc.codec import cdata
 from dissoc.codec.byteswap import swap
 from dissoc.codec.checks import check_node, check_run_ends
 from dissoc.codec.compression import decompress_buffer
-from dissoc.codec.ipcread import FramedSource, distinct_sizes, frame_head, frame_parts, frame_room
+from dissoc.codec.ipcread import (
+    NOTHING as _NOTHING,
+)
+from dissoc.codec.ipcread import (
+    FramedSource,
+    distinct_sizes,
+    frame_head,
+    frame_parts,
+    frame_room,
+)
 from dissoc.codec.message import HeaderType, ParsedMessage, RecordBatchHeader, parse
 from dissoc.codec.plan import (
     SCHEMAS,
@@ -291,7 +300,7 @@ class MessageDecoder:
                 frame = frame_parts(key)
                 if c.ipc_ok and not bool((h.buffers[:, 0] & 7).any()) and distinct_sizes(frame, body_length):
                     prep.frame = frame
-                    prep.head = frame_head(key)
+                    prep.head = memoryview(frame_head(key)).cast("b")  # as memoryview(pa.Buffer)
                 remember(cache, key, prep)
         if prep.frame is not None and self.ipc_reader:
             return self._decode_ipc(prep, body)
@@ -313,32 +322,43 @@ class MessageDecoder:
             piece = buf if size == need else buf.slice(0, need)
         if size < need:
             raise CodecError(f"message body: expected {need} bytes, got {size}")
-        checked = (c.checked if prep.small else c.checked_all) if self.validate else None
-        if checked:
-            if buf is None:
-                buf = pa.py_buffer(body)
-            self._check(
-                c,
-                prep.nodes,
-                prep.nbuf,
-                prep.first,
-                prep.offsets + np.uint64(buf.address),
-                prep.lengths,
-                checked,
-            )
+        validate = self.validate
+        if validate:
+            checked = c.checked if prep.small else c.checked_all
+            if checked:
+                if buf is None:
+                    buf = pa.py_buffer(body)
+                self._check(
+                    c,
+                    prep.nodes,
+                    prep.nbuf,
+                    prep.first,
+                    prep.offsets + np.uint64(buf.address),
+                    prep.lengths,
+                    checked,
+                )
         source = self._source
         if source is None:
             source = self._source = FramedSource()
-        assert prep.frame is not None
+        frame = prep.frame
+        assert frame is not None
+        # pyarrow asks for the length, the metadata and the body by size: a dict lookup answers each
+        source.read = {4: frame[0], len(frame[1]): frame[1], need: piece}.get
         try:
-            message = _read_message(source.message(prep.frame, piece, need))
-            source.clear()
+            message = _read_message(source.file)
+            source.read = _NOTHING
             batch = _read_record_batch(message, c.schema)
         except (pa.ArrowException, ValueError, TypeError, OSError):
             # pyarrow refuses what our checks accepted: our codec decides, on the C Data Interface path
-            source.clear()
+            source.read = _NOTHING
             return self._ipc_refused(prep, buf if buf is not None else pa.py_buffer(body))
-        self._validate_ipc(prep, batch, message, buf if buf is not None else body)
+        if validate and prep.small and c.full_columns:
+            self._validate_ipc(prep, batch, message, buf if buf is not None else body)
+        else:
+            try:
+                batch.validate()
+            except (pa.ArrowException, ValueError) as e:
+                raise CodecError(f"RecordBatch: invalid data: {e}") from None
         return batch
 
     def _ipc_refused(self, prep: Prepared, body: pa.Buffer) -> pa.RecordBatch:
@@ -349,8 +369,8 @@ class MessageDecoder:
     def _validate_ipc(
         self, prep: Prepared, batch: pa.RecordBatch, message: pa.ipc.Message, body: object
     ) -> None:
-        """The checks pyarrow's validation does on a batch its IPC reader built from ``message`` over
-        ``body``.
+        """The content checks of a small batch with fully validated columns that pyarrow's IPC reader built
+        from ``message`` over ``body``.
 
         Its data buffers are the metadata's (not sized from the offsets, as the C importer sizes them), so
         full validation sees binary offsets past the data received, which :meth:`_check_offset_bounds` checks
@@ -359,9 +379,7 @@ class MessageDecoder:
         :attr:`Compiled.str_columns`), which accepts and refuses exactly what string validation does."""
         c = prep.compiled
         try:
-            if not (self.validate and prep.small and c.full_columns):
-                batch.validate()
-            elif prep.as_binary:
+            if prep.as_binary:
                 # the same layout under binary types: the same checks but UTF-8, which _ascii makes
                 as_bin = _read_record_batch(message, c.bin_schema)
                 if c.whole_full:
@@ -396,26 +414,39 @@ class MessageDecoder:
         key = bytes(metadata) if isinstance(metadata, (bytes, memoryview)) else None
         if key is None:
             raise CodecError(f"metadata must be bytes-like, got {type(metadata).__name__}")
-        room = frame_room(len(key))
-        if landing.size < room:
-            raise CodecError(f"the landing holds {landing.size} bytes, less than the {room} bytes of room")
         prep = self._prepared.get(key)
+        size = landing.size
         if prep is None or prep.frame is None or not self.ipc_reader or not landing.is_mutable:
+            room = frame_room(len(key))
+            if size < room:
+                raise CodecError(f"the landing holds {size} bytes, less than the {room} bytes of room")
             return self.decode(key, landing.slice(room))
         c = prep.compiled
-        if landing.size - room < prep.body_length:
-            raise CodecError(f"message body: expected {prep.body_length} bytes, got {landing.size - room}")
-        checked = (c.checked if prep.small else c.checked_all) if self.validate else None
-        if checked:
-            at = np.uint64(landing.address + room)
-            self._check(c, prep.nodes, prep.nbuf, prep.first, prep.offsets + at, prep.lengths, checked)
-        ctypes.memmove(landing.address, prep.head, room)  # the framing and metadata, into the room
+        head = prep.head
+        room = len(head)  # frame_room(len(key))
+        if size - room < prep.body_length:
+            if size < room:
+                raise CodecError(f"the landing holds {size} bytes, less than the {room} bytes of room")
+            raise CodecError(f"message body: expected {prep.body_length} bytes, got {size - room}")
+        validate = self.validate
+        if validate:
+            checked = c.checked if prep.small else c.checked_all
+            if checked:
+                at = np.uint64(landing.address + room)
+                self._check(c, prep.nodes, prep.nbuf, prep.first, prep.offsets + at, prep.lengths, checked)
+        memoryview(landing)[:room] = head  # the framing and metadata, into the room
         try:
             message = _read_message(landing)
             batch = _read_record_batch(message, c.schema)
         except (pa.ArrowException, ValueError, TypeError, OSError):
             return self._ipc_refused(prep, landing.slice(room))
-        self._validate_ipc(prep, batch, message, landing.slice(room))
+        if validate and prep.small and c.full_columns:
+            self._validate_ipc(prep, batch, message, landing.slice(room))
+        else:
+            try:
+                batch.validate()
+            except (pa.ArrowException, ValueError) as e:
+                raise CodecError(f"RecordBatch: invalid data: {e}") from None
         return batch
 
     def _layout(self, c: Compiled, h: RecordBatchHeader, limit: int) -> npt.NDArray[np.int64]:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import pyarrow as pa
 
-__all__ = ["FramedSource", "distinct_sizes", "frame_head", "frame_parts", "frame_room"]
+__all__ = ["NOTHING", "FramedSource", "distinct_sizes", "frame_head", "frame_parts", "frame_room"]
 
 _CONTINUATION = b"\xff\xff\xff\xff"
 _I32 = struct.Struct("<i")
@@ -53,7 +53,8 @@ def frame_head(metadata: bytes) -> bytes:
 
 
 _EMPTY: dict[int, object] = {}
-_NOTHING: Callable[[int], object | None] = _EMPTY.get
+#: The ``read`` of a :class:`FramedSource` with nothing loaded.
+NOTHING: Callable[[int], object | None] = _EMPTY.get
 
 
 class FramedSource:
@@ -69,7 +70,7 @@ class FramedSource:
     closed = False
 
     def __init__(self) -> None:
-        self.read: Callable[[int], object | None] = _NOTHING
+        self.read: Callable[[int], object | None] = NOTHING
         self.file = pa.PythonFile(self, mode="r")
 
     def message(self, frame: tuple[bytes, bytes], body: object, body_length: int) -> pa.NativeFile:
@@ -80,7 +81,7 @@ class FramedSource:
 
     def clear(self) -> None:
         """Drop the pieces, so that the body is not kept alive."""
-        self.read = _NOTHING
+        self.read = NOTHING
 
     def readable(self) -> bool:
         return True
@@ -92,7 +93,7 @@ class FramedSource:
         return False
 
     def close(self) -> None:
-        self.read = _NOTHING
+        self.read = NOTHING
 
 
 def distinct_sizes(frame: tuple[bytes, bytes], body_length: int) -> bool:

@@ -200,6 +200,9 @@ def remember(cache: dict[bytes, _V], key: bytes, value: _V) -> None:
     cache[key] = value
 
 
+_NO_HEAD = memoryview(b"")
+
+
 @dataclass(eq=False, slots=True)
 class Prepared:
     """The metadata-only part of decoding one uncompressed batch layout: a struct template with pointers
@@ -220,7 +223,7 @@ class Prepared:
     #: For pyarrow's IPC reader (:mod:`dissoc.codec.ipcread`): the framing pieces of this metadata, and the
     #: same joined; None where this layout stays on the C Data Interface import.
     frame: tuple[bytes, bytes] | None = None
-    head: bytes = b""
+    head: memoryview = _NO_HEAD
     #: Few enough rows for pyarrow's full validation to be the cheaper content check.
     small: bool = True
     #: Whether validating the top-level string columns as binary plus an ASCII check (Compiled.str_columns)
