@@ -138,7 +138,9 @@ class MessageDecoder:
         self._parsed: dict[bytes, ParsedMessage] = {}
         self.dictionaries: dict[int, pa.Array] = {}
         self._version = 4
-        self._source: FramedSource | None = None  # made on first use: one per decoder, refilled per batch
+        # Sources pyarrow reads messages from, one per batch being decoded: taken for a call and given back,
+        # so that calls from several threads never share one (list.pop and append are atomic).
+        self._sources: list[FramedSource] = []
         if schema is not None:
             raise CodecError("MessageDecoder(schema=...) is not supported: decode the schema message first")
 
@@ -337,9 +339,8 @@ class MessageDecoder:
                     prep.lengths,
                     checked,
                 )
-        source = self._source
-        if source is None:
-            source = self._source = FramedSource()
+        sources = self._sources
+        source = sources.pop() if sources else FramedSource()
         frame = prep.frame
         assert frame is not None
         # pyarrow asks for the length, the metadata and the body by size: a dict lookup answers each
@@ -347,6 +348,7 @@ class MessageDecoder:
         try:
             message = _read_message(source.file)
             source.read = _NOTHING
+            sources.append(source)
             batch = _read_record_batch(message, c.schema)
         except (pa.ArrowException, ValueError, TypeError, OSError):
             # pyarrow refuses what our checks accepted: our codec decides, on the C Data Interface path

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -333,3 +334,18 @@ def test_damaged_metadata_gets_the_same_answer_on_every_path(data: st.DataObject
         twice = _decoder(schema_md)
         _outcome(lambda: twice.decode(bad, body))
         _same(_outcome(lambda: twice.decode_landed(bad, _land(bad, body))), slow, "decode_landed")
+
+
+def test_one_decoder_shared_by_threads_gives_each_call_its_own_batch() -> None:
+    batches = [pa.record_batch({"a": pa.array(np.full(4096, k, np.int64))}) for k in range(8)]
+    encoded = [_encode(b) for b in batches]
+    dec = _decoder(encoded[0][0])
+    md = encoded[0][1]
+    dec.decode(md, encoded[0][2])
+
+    def work(k: int) -> bool:
+        body = encoded[k][2]
+        return all(dec.decode(md, body).equals(batches[k]) for _ in range(200))  # type: ignore[union-attr]
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(work, range(8)))
