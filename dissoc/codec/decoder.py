@@ -528,7 +528,7 @@ class MessageDecoder:
         for i, did in c.dict_nodes:
             structs[i + 1, 7] = cdata.export_array(self.dictionaries[did], keep)
         try:
-            batch = cdata.import_batch(structs, base, c.schema, keep)
+            batch = cdata.import_batch(structs, base, c.schema, keep, c.dict_owners)
         except (pa.ArrowException, ValueError, TypeError) as e:
             raise CodecError(f"RecordBatch: invalid layout: {e}") from None
         self._validate(c, batch, small)

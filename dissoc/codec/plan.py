@@ -88,6 +88,8 @@ class Compiled:
         self.view_nodes = np.flatnonzero(layouts == Layout.VIEW)
         self.null_nodes = np.flatnonzero(layouts == Layout.NULL)
         self.dict_nodes = [(i, p.dict_id) for i, p in enumerate(flat) if p.dict_id >= 0]
+        # the structs (root first) of the nodes that own an exported dictionary
+        self.dict_owners = np.array([i + 1 for i, _ in self.dict_nodes], np.intp)
         self.n_children = np.array([len(c) for c in children], np.uint64)
         self.child_idx = np.array([i for c in children for i in c], np.uint64)
         cs = np.zeros(n + 1, np.uint64)
@@ -308,6 +310,8 @@ def build_template(
     if nbuf_c is not None:
         structs[1:, 3] = nbuf_c
     structs[:, 5] = cbuf_rel + np.uint64(sbytes)
+    # child structs that own no dictionary get cdata's release callback now (import_batch(owners=...))
+    structs[1:, 8] = cdata.children_release()
     words[10 * (n + 1) : 10 * (n + 1) + nptr] = ptrs
     mem_fields = [np.arange(n + 1) * 10 + 5]
     if nkid:
