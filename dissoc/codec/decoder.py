@@ -356,7 +356,7 @@ class MessageDecoder:
             return self._ipc_refused(prep, buf if buf is not None else pa.py_buffer(body))
         if validate and prep.small and c.full_columns:
             self._validate_ipc(prep, batch, message, buf if buf is not None else body)
-        else:
+        elif not prep.shape_checked:
             try:
                 batch.validate()
             except (pa.ArrowException, ValueError) as e:
@@ -444,7 +444,7 @@ class MessageDecoder:
             return self._ipc_refused(prep, landing.slice(room))
         if validate and prep.small and c.full_columns:
             self._validate_ipc(prep, batch, message, landing.slice(room))
-        else:
+        elif not prep.shape_checked:
             try:
                 batch.validate()
             except (pa.ArrowException, ValueError) as e:

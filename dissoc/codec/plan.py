@@ -148,6 +148,11 @@ class Compiled:
             else:
                 self.checked.extend(risky_nodes)
         self.all_full = len(self.full_columns) == len(plans)
+        # Only top-level fixed-width columns (no dictionaries, no children): pyarrow's cheap validation of
+        # such a batch checks nothing that Prepared.shape_checked does not (see there).
+        self.flat_fixed = bool(flat) and all(
+            p.layout in (Layout.FIXED, Layout.BOOL) and p.dict_id < 0 and not p.children for p in flat
+        )
         # Every column's full validation judges memory safety only: one full validation of the whole batch
         # then checks what validating the risky columns would, without selecting them first.
         self.whole_full = all(fully_validatable(p.field.type) for p in plans)
@@ -232,6 +237,10 @@ class Prepared:
     #: costs less than their UTF-8 check: a second read costs about a quarter of a microsecond per node, the
     #: UTF-8 check about two nanoseconds per value.
     as_binary: bool = False
+    #: For a schema of fixed-width columns only (Compiled.flat_fixed): every column is as long as the batch
+    #: and holds at most that many nulls. With the buffer sizes checked against the lengths, that is all
+    #: pyarrow's cheap validation of such a batch checks, so batches of this layout skip it.
+    shape_checked: bool = False
     #: Where the data buffers of the top-level string columns lie in the body: (start, end) byte offsets.
     str_spans: list[tuple[int, int]] | None = None
 
@@ -334,6 +343,9 @@ def build_template(
         body_length=body_length or 0,
         absolute=body_length is None,
         small=bool(nodes[0, 0] <= SMALL_BATCH_ROWS) if len(nodes) else True,
+        shape_checked=c.flat_fixed
+        and bool((nodes[:, 0] == h.length).all())
+        and bool(((nodes[:, 1] >= 0) & (nodes[:, 1] <= nodes[:, 0])).all()),
         as_binary=bool(c.str_columns)
         and 2 * int(nodes[c.str_nodes, 0].sum()) > 250 * c.n_nodes + 1000,  # nanoseconds
     )

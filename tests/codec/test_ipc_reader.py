@@ -8,7 +8,9 @@ before the body). Batches stay zero-copy: their buffers lie in the body received
 
 from __future__ import annotations
 
+import contextlib
 import math
+import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -349,3 +351,32 @@ def test_one_decoder_shared_by_threads_gives_each_call_its_own_batch() -> None:
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(work, range(8)))
+
+
+@pytest.mark.parametrize("new_length", [1000, 1025, 0])
+def test_columns_that_are_not_as_long_as_the_batch_are_refused(new_length: int) -> None:
+    # fixed-width columns only: the decoder checks the column lengths against the batch length itself
+    # (cached), instead of pyarrow's cheap validation per batch
+    batch = pa.record_batch({"a": pa.array(np.arange(1024)), "b": pa.array(np.arange(1024.0))})
+    schema_md, md, body = _encode(batch)
+    old = struct.pack("<q", 1024)
+    spots = [i for i in range(len(md) - 7) if md[i : i + 8] == old]
+    bad = None
+    for i in spots:
+        candidate = md[:i] + struct.pack("<q", new_length) + md[i + 8 :]
+        header = codec.parse(candidate).batch
+        if header is not None and header.length == new_length and bool((header.nodes[:, 0] == 1024).all()):
+            bad = candidate
+    assert bad is not None, "the batch length field was not found"
+    for how in ("first", "cached", "landed", "c data"):
+        dec = _decoder(schema_md, ipc_reader=how != "c data")
+        with pytest.raises(CodecError):
+            if how == "cached":
+                with contextlib.suppress(CodecError):
+                    dec.decode(bad, body)
+            if how == "landed":
+                with contextlib.suppress(CodecError):
+                    dec.decode(bad, body)
+                dec.decode_landed(bad, _land(bad, body))
+            else:
+                dec.decode(bad, body)
