@@ -169,7 +169,10 @@ class MessageDecoder:
         layout at its body (the body's contents are still checked every time). Decoded schemas, and with
         them those caches, are shared by the decoders of a process.
         """
-        key = bytes(metadata) if isinstance(metadata, (bytes, memoryview)) else None
+        if type(metadata) is bytes:
+            key: bytes | None = metadata
+        else:
+            key = bytes(metadata) if isinstance(metadata, (bytes, memoryview)) else None
         if key is not None:
             prep = self._prepared.get(key)
             # a batch layout checked before: straight to pyarrow's reader
@@ -413,8 +416,11 @@ class MessageDecoder:
         """
         if not isinstance(landing, pa.Buffer):
             raise CodecError(f"the landing must be a pa.Buffer, got {type(landing).__name__}")
-        key = bytes(metadata) if isinstance(metadata, (bytes, memoryview)) else None
-        if key is None:
+        if type(metadata) is bytes:
+            key = metadata
+        elif isinstance(metadata, (bytes, memoryview)):
+            key = bytes(metadata)
+        else:
             raise CodecError(f"metadata must be bytes-like, got {type(metadata).__name__}")
         prep = self._prepared.get(key)
         size = landing.size
