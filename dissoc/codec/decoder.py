@@ -743,6 +743,9 @@ def _ascii(prep: Prepared, body: object) -> bool:
     if spans is None:
         ks = (prep.first[prep.compiled.str_nodes] + 2).tolist()
         spans = prep.str_spans = [(int(prep.offsets[k]), int(prep.offsets[k] + prep.lengths[k])) for k in ks]
+    if type(body) is bytes and len(spans) == 1:
+        a, b = spans[0]
+        return body[a:b].isascii()
     view = memoryview(body)  # type: ignore[arg-type]
     return b"".join([view[a:b] for a, b in spans]).isascii()
 
