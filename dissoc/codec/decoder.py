@@ -372,10 +372,10 @@ class MessageDecoder:
         return self._instantiate(prep.compiled, prep, body)
 
     def _validate_ipc(
-        self, prep: Prepared, batch: pa.RecordBatch, message: pa.ipc.Message, body: object
+        self, prep: Prepared, batch: pa.RecordBatch, message: pa.ipc.Message, body: object, at: int = 0
     ) -> None:
         """The content checks of a small batch with fully validated columns that pyarrow's IPC reader built
-        from ``message`` over ``body``.
+        from ``message`` over ``body`` (whose first ``at`` bytes come before the message body).
 
         Its data buffers are the metadata's (not sized from the offsets, as the C importer sizes them), so
         full validation sees binary offsets past the data received, which :meth:`_check_offset_bounds` checks
@@ -392,7 +392,7 @@ class MessageDecoder:
                 else:
                     as_bin.validate()
                     as_bin.select(c.full_columns).validate(full=True)
-                if not _ascii(prep, body):
+                if not _ascii(prep, body, at):
                     batch.select(c.str_columns).validate(full=True)
             elif c.whole_full:
                 batch.validate(full=True)  # includes the cheap validation
@@ -402,7 +402,7 @@ class MessageDecoder:
         except (pa.ArrowException, ValueError) as e:
             if self.validate and prep.small and c.offset_bounds:
                 address = body.address if isinstance(body, pa.Buffer) else pa.py_buffer(body).address
-                self._check_offset_bounds(c, prep, address)
+                self._check_offset_bounds(c, prep, address + at)
             raise CodecError(f"RecordBatch: invalid data: {e}") from None
 
     def decode_landed(self, metadata: object, landing: pa.Buffer) -> pa.RecordBatch | None:
@@ -449,7 +449,7 @@ class MessageDecoder:
         except (pa.ArrowException, ValueError, TypeError, OSError):
             return self._ipc_refused(prep, landing.slice(room))
         if validate and prep.small and c.full_columns:
-            self._validate_ipc(prep, batch, message, landing.slice(room))
+            self._validate_ipc(prep, batch, message, landing, room)
         elif not prep.shape_checked:
             try:
                 batch.validate()
@@ -736,18 +736,21 @@ class MessageDecoder:
         return addrs, lens
 
 
-def _ascii(prep: Prepared, body: object) -> bool:
+def _ascii(prep: Prepared, body: object, at: int = 0) -> bool:
     """Whether the data buffers of the top-level string columns hold ASCII bytes only (then every value in
-    them is valid UTF-8). The buffers lie in ``body``: checked when the layout was prepared."""
+    them is valid UTF-8). The buffers lie in ``body`` from byte ``at`` on: checked when the layout was
+    prepared."""
     spans = prep.str_spans
     if spans is None:
         ks = (prep.first[prep.compiled.str_nodes] + 2).tolist()
         spans = prep.str_spans = [(int(prep.offsets[k]), int(prep.offsets[k] + prep.lengths[k])) for k in ks]
-    if type(body) is bytes and len(spans) == 1:
+    if len(spans) == 1:
         a, b = spans[0]
-        return body[a:b].isascii()
+        if type(body) is bytes:
+            return body[a + at : b + at].isascii()
+        return memoryview(body)[a + at : b + at].tobytes().isascii()  # type: ignore[arg-type]
     view = memoryview(body)  # type: ignore[arg-type]
-    return b"".join([view[a:b] for a, b in spans]).isascii()
+    return b"".join([view[a + at : b + at] for a, b in spans]).isascii()
 
 
 def _as_buffer(body: object) -> pa.Buffer:

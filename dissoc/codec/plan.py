@@ -235,7 +235,7 @@ class Prepared:
     small: bool = True
     #: Whether validating the top-level string columns as binary plus an ASCII check (Compiled.str_columns)
     #: costs less than their UTF-8 check: a second read costs about a quarter of a microsecond per node, the
-    #: UTF-8 check about two nanoseconds per value.
+    #: UTF-8 check about two nanoseconds per value, the ASCII check and the rest about a microsecond.
     as_binary: bool = False
     #: For a schema of fixed-width columns only (Compiled.flat_fixed): every column is as long as the batch
     #: and holds at most that many nulls. With the buffer sizes checked against the lengths, that is all
