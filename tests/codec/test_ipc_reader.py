@@ -380,3 +380,59 @@ def test_columns_that_are_not_as_long_as_the_batch_are_refused(new_length: int) 
                 dec.decode_landed(bad, _land(bad, body))
             else:
                 dec.decode(bad, body)
+
+
+def _strings_batch(rows: int, values: Callable[[int], str | None]) -> pa.RecordBatch:
+    return pa.record_batch({"s": pa.array([values(i) for i in range(rows)], pa.string()), "n": range(rows)})
+
+
+STRING_ROWS = 3000  # enough values that strings are validated as binary plus an ASCII check
+
+
+def test_string_columns_validated_as_binary_take_the_ascii_shortcut_only_when_it_is_exact() -> None:
+    ascii_batch = _strings_batch(STRING_ROWS, lambda i: None if i % 5 == 0 else "ab" * (i % 4))
+    multibyte = _strings_batch(STRING_ROWS, lambda i: "é€😀" * (i % 3))
+    for batch in (ascii_batch, multibyte):
+        schema_md, md, body = _encode(batch)
+        dec = _decoder(schema_md)
+        for _ in range(2):
+            assert_batch_equal(dec.decode(md, body), batch)
+            assert_batch_equal(dec.decode_landed(md, _land(md, body)), batch)
+        prep = dec._prepared[md]
+        assert prep.frame is not None and prep.as_binary
+    # an invalid UTF-8 byte inside a value is refused on every path
+    schema_md, md, body = _encode(ascii_batch)
+    data = "".join("ab" * (i % 4) for i in range(STRING_ROWS) if i % 5).encode()
+    at = body.find(data)
+    assert at >= 0
+    damaged = bytearray(body)
+    damaged[at + 11] = 0xFF
+    bad = bytes(damaged)
+    for how in ("decode", "landed", "c data"):
+        dec = _decoder(schema_md, ipc_reader=how != "c data")
+        dec.decode(md, body)
+        with pytest.raises(CodecError, match=r"UTF8|utf8|UTF-8"):
+            if how == "landed":
+                dec.decode_landed(md, _land(md, bad))
+            else:
+                dec.decode(md, bad)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_damaged_string_bodies_validated_as_binary_get_the_same_answer_on_every_path(
+    data: st.DataObject,
+) -> None:
+    batch = _strings_batch(STRING_ROWS, lambda i: None if i % 7 == 0 else "xy€" * (i % 3) if i % 11 else "z")
+    schema_md, md, body = _encode(batch)
+    damaged = bytearray(body)
+    for _ in range(data.draw(st.integers(1, 3), label="bytes damaged")):
+        at = data.draw(st.integers(0, len(damaged) - 1), label="byte")
+        damaged[at] = data.draw(st.sampled_from([0x80, 0xC3, 0xFF, 0x00, 0x7F]) | st.integers(0, 255))
+    bad = bytes(damaged)
+    slow = _outcome(lambda: _decoder(schema_md, ipc_reader=False).decode(md, bad))
+    fast = _decoder(schema_md)
+    fast.decode(md, body)
+    assert fast._prepared[md].as_binary
+    _same(_outcome(lambda: fast.decode(md, bad)), slow, "cached decode")
+    _same(_outcome(lambda: fast.decode_landed(md, _land(md, bad))), slow, "decode_landed")
