@@ -8,16 +8,21 @@ Measures (median of N repetitions each):
       dissoc ``MessageEncoder.encode(batch)`` vs pyarrow ``RecordBatchStreamWriter.write_batch`` into a
       ``MockOutputStream`` (pyarrow builds the metadata and hands the buffers to a sink that only counts
       them: its cost to produce one batch's message, without copying the body);
-  (b) metadata decode, per message: dissoc ``MessageDecoder.decode(metadata, body)`` vs pyarrow
-      ``read_record_batch(read_message(buf), schema)``;
+  (b) message decode, per message, for the same batches and for the simplest one (2 x int64, 1024 rows, no
+      nulls), metadata repeating byte for byte as in a stream of same-shaped batches: dissoc
+      ``MessageDecoder.decode(metadata, body)`` with its default checks vs pyarrow
+      ``read_record_batch(read_message(buf), schema)`` followed by ``validate(full=True)`` (the same safety
+      from pyarrow); ``MessageDecoder(validate=False)`` vs the bare pyarrow read; and ``decode_landed`` (the
+      body landed after ``frame_room`` bytes of headroom) against the same two;
   (c) reading a 1 GiB uncompressed stream (16 MiB batches) from memory: ``open_stream(buf).read_all()``;
   (d) writing it: into growing memory (dissoc -> ``io.BytesIO``, pyarrow -> ``pa.BufferOutputStream``); both
       into ``pa.BufferOutputStream`` (the same sink, where dissoc accepts it as a file object); and into
       preallocated memory (dissoc -> a file object over a preallocated numpy buffer, pyarrow ->
       ``pa.FixedSizeBufferWriter`` over a preallocated buffer).
 
-The ratio column is dissoc time / pyarrow time: below 1 dissoc is faster, above 1 slower. Targets: decode of
-the 100-column batch <= 5x pyarrow; reading and writing 1 GiB within 1.5x pyarrow.
+The ratio column is dissoc time / pyarrow time: below 1 dissoc is faster, above 1 slower. Targets: decode with
+its checks no slower than pyarrow's read + full validation, decode without checks within 3x pyarrow's bare
+read; reading and writing 1 GiB within 1.5x pyarrow.
 """
 
 from __future__ import annotations
@@ -170,24 +175,80 @@ def bench_metadata(columns: int, repeat: int) -> list[Row]:
     encode_d = per_call(lambda: enc.encode(batch), repeat)
     encode_p = per_call(lambda: writer.write_batch(batch), repeat)
 
+    return [
+        Row(f"(a) encode metadata, {columns} columns", "us/msg", encode_d, encode_p),
+    ]
+
+
+def bench_decode(
+    batch: pa.RecordBatch, what: str, repeat: int, checked_target: float | None = 1.0
+) -> list[Row]:
+    """Decoding one message of ``batch`` again and again (its metadata repeats, as in a stream)."""
+    schema = batch.schema
+    enc = codec.MessageEncoder(schema)
     (msg,) = enc.encode(batch)
     metadata = bytes(msg.metadata)
     body = b"".join(memoryview(b).cast("B") for b in msg.body_buffers)
-    dec = codec.MessageDecoder()
-    dec.decode(enc.schema_message().metadata, b"")
+    checked = codec.MessageDecoder()
+    trusting = codec.MessageDecoder(validate=False)
+    for dec in (checked, trusting):
+        dec.decode(enc.schema_message().metadata, b"")
+    # the landed variant: the body as a receiver lands it, after room for the framing
+    room = codec.frame_room(len(metadata))
+    landing = pa.allocate_buffer(room + len(body))
+    np.frombuffer(landing, np.uint8)[room:] = np.frombuffer(body, np.uint8)
     framed = batch.serialize()
-    decode_d = per_call(lambda: dec.decode(metadata, body), repeat)
-    decode_p = per_call(lambda: paipc.read_record_batch(paipc.read_message(framed), schema), repeat)
+
+    def read_p() -> pa.RecordBatch:
+        return paipc.read_record_batch(paipc.read_message(framed), schema)
+
+    def read_validate_p() -> None:
+        read_p().validate(full=True)
+
+    fns = {
+        "bare": read_p,
+        "full": read_validate_p,
+        "decode": lambda: checked.decode(metadata, body),
+        "decode_nv": lambda: trusting.decode(metadata, body),
+        "landed": lambda: checked.decode_landed(metadata, landing),
+        "landed_nv": lambda: trusting.decode_landed(metadata, landing),
+    }
+    m = interleaved(fns, repeat)
     return [
-        Row(f"(a) encode metadata, {columns} columns", "us/msg", encode_d, encode_p),
-        Row(
-            f"(b) decode message, {columns} columns",
-            "us/msg",
-            decode_d,
-            decode_p,
-            target=5.0 if columns >= 100 else None,
-        ),
-    ]
+        Row(f"(b) decode {what}, checked / pa+validate(full)", "us/msg", m["decode"], m["full"],
+            target=checked_target),
+        Row(f"(b) decode {what}, validate=False / pa read", "us/msg", m["decode_nv"], m["bare"], target=3.0),
+        Row(f"(b) decode_landed {what}, checked / pa+validate(full)", "us/msg", m["landed"], m["full"],
+            target=checked_target),
+        Row(f"(b) decode_landed {what}, validate=False / pa read", "us/msg", m["landed_nv"], m["bare"],
+            target=3.0),
+    ]  # fmt: skip
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], repeat: int, min_time: float = 0.01) -> dict[str, float]:
+    """Median seconds per call of each function, timed in alternating rounds (3 x ``repeat`` each), so that
+    load from elsewhere on the machine falls on the dissoc and pyarrow sides alike."""
+    counts = {}
+    for name, fn in fns.items():
+        fn()
+        n = 1
+        while True:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            if time.perf_counter() - t0 >= min_time or n >= 1 << 20:
+                break
+            n *= 4
+        counts[name] = n
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(3 * repeat):
+        for name, fn in fns.items():
+            n = counts[name]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / n)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -348,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     rows = [*bench_metadata(3, args.repeat), *bench_metadata(100, args.repeat)]
+    int64x2 = pa.record_batch({"a": np.arange(1024, dtype=np.int64), "b": np.arange(1024, dtype=np.int64)})
+    rows += bench_decode(int64x2, "2 x int64", args.repeat, checked_target=None)
+    rows += bench_decode(mixed_batch(3, 1024), "3 cols", args.repeat)
+    rows += bench_decode(mixed_batch(100, 1024), "100 cols", args.repeat)
     rows += bench_bulk(total, batch_bytes, args.repeat)
     ceiling = memcpy_ceiling(args.repeat)
     elapsed = time.perf_counter() - started

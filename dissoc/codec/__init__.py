@@ -20,6 +20,7 @@ from dissoc.codec.ipc import (
     open_file,
     open_stream,
 )
+from dissoc.codec.ipcread import frame_room
 from dissoc.codec.message import HeaderType, ParsedMessage, has_body, parse, peek_header
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "StreamReader",
     "StreamWriter",
     "frame_prefix",
+    "frame_room",
     "has_body",
     "iter_messages",
     "new_file",

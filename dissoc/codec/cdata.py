@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-__all__ = ["STRUCT_SIZE", "Keepalive", "export_array", "import_batch", "view_as"]
+__all__ = ["STRUCT_SIZE", "Keepalive", "children_release", "export_array", "import_batch", "view_as"]
 
 STRUCT_SIZE = 80  # sizeof(struct ArrowArray): 5 int64 + 5 pointers
 _RELEASE = 8  # uint64 column of the release callback
@@ -170,13 +170,25 @@ _MARK_RELEASED = _mark_released_function()
 _ROOT_TYPE = pa.struct([])
 
 
+def children_release() -> int:
+    """What :func:`import_batch` writes as the release callback of child structs that own no dictionary
+    (0 where it gives each its own private data instead): a template may hold it already."""
+    return _MARK_RELEASED
+
+
 def import_batch(
-    structs: npt.NDArray[np.uint64], address: int, schema: pa.Schema, keep: Keepalive
+    structs: npt.NDArray[np.uint64],
+    address: int,
+    schema: pa.Schema,
+    keep: Keepalive,
+    owners: npt.NDArray[np.intp] | None = None,
 ) -> pa.RecordBatch:
     """Import the tree whose root is ``structs[0]`` (an (n, 10) uint64 array at ``address``) as a batch.
 
     Fills in the release callbacks and private data of every struct, then imports; on failure pyarrow has
     released the tree (and with it everything in ``keep``). ``structs`` must be memory owned by ``keep``.
+    ``owners``, when given, are the structs that point at an exported dictionary, and the other child
+    structs already hold :func:`children_release` as their release callback (a template filled it in).
     """
     n = len(structs)
     # The root's private data owns one zero-length buffer whose base is the list of everything to keep.
@@ -189,9 +201,10 @@ def import_batch(
     structs[0, _PRIVATE] = root[_PRIVATE]
     if n > 1:
         if _MARK_RELEASED:
-            structs[1:, _RELEASE] = _MARK_RELEASED
+            if owners is None:
+                structs[1:, _RELEASE] = _MARK_RELEASED
+                owners = np.flatnonzero(structs[1:, 7]) + 1
             # A node with a dictionary must release that dictionary's export: give it Arrow's release.
-            owners = np.flatnonzero(structs[1:, 7]) + 1
             if owners.size:
                 structs[owners, _RELEASE] = root[_RELEASE]
                 structs[owners, _PRIVATE] = _pool.take(len(owners))

@@ -24,6 +24,16 @@ from dissoc.codec import cdata
 from dissoc.codec.byteswap import swap
 from dissoc.codec.checks import check_node, check_run_ends
 from dissoc.codec.compression import decompress_buffer
+from dissoc.codec.ipcread import (
+    NOTHING as _NOTHING,
+)
+from dissoc.codec.ipcread import (
+    FramedSource,
+    distinct_sizes,
+    frame_head,
+    frame_parts,
+    frame_room,
+)
 from dissoc.codec.message import HeaderType, ParsedMessage, RecordBatchHeader, parse
 from dissoc.codec.plan import (
     SCHEMAS,
@@ -49,11 +59,12 @@ from dissoc.codec.sizes import (
 )
 from dissoc.errors import CodecError
 
-__all__ = ["MessageDecoder", "ParsedMessage", "ScatteredBody", "parse"]
+__all__ = ["MessageDecoder", "ParsedMessage", "ScatteredBody", "frame_room", "parse"]
 
 log = logging.getLogger(__name__)
 
-_SMALL_BATCH_ROWS = 8192
+_read_message = pa.ipc.read_message
+_read_record_batch = pa.ipc.read_record_batch
 
 
 def _concat(a: pa.Array, b: pa.Array) -> pa.Array:
@@ -97,6 +108,13 @@ class MessageDecoder:
     ends are checked (see :mod:`dissoc.codec.checks`), so that malformed data from the wire raises
     :class:`CodecError` instead of producing arrays that read out of bounds; buffer sizes are always checked.
     Turn it off only for trusted producers.
+
+    With ``ipc_reader`` (the default), batches in packed, uncompressed little-endian host bodies whose layout
+    our checks accepted are built by pyarrow's C++ IPC reader, still over the body received (see
+    :mod:`dissoc.codec.ipcread`); the others (dictionary-encoded columns, compressed or big-endian bodies, V4
+    unions, scattered bodies) through the C Data Interface, as every batch is with ``ipc_reader=False``. The
+    same checks run either way. A receiver that can put the body right after some headroom gets the
+    cheapest decode with :meth:`decode_landed`.
     """
 
     def __init__(
@@ -106,8 +124,11 @@ class MessageDecoder:
         max_buffer_bytes: int = 1 << 34,
         allow_dictionary_replacement: bool = True,
         schema: pa.Schema | None = None,
+        ipc_reader: bool = True,
     ) -> None:
         self.validate = validate
+        #: Whether eligible batches are built by pyarrow's IPC reader (False: all by the C Data Interface).
+        self.ipc_reader = ipc_reader
         self.max_buffer_bytes = max_buffer_bytes
         self.allow_dictionary_replacement = allow_dictionary_replacement
         self._info: SchemaInfo | None = None
@@ -117,6 +138,9 @@ class MessageDecoder:
         self._parsed: dict[bytes, ParsedMessage] = {}
         self.dictionaries: dict[int, pa.Array] = {}
         self._version = 4
+        # Sources pyarrow reads messages from, one per batch being decoded: taken for a call and given back,
+        # so that calls from several threads never share one (list.pop and append are atomic).
+        self._sources: list[FramedSource] = []
         if schema is not None:
             raise CodecError("MessageDecoder(schema=...) is not supported: decode the schema message first")
 
@@ -145,7 +169,20 @@ class MessageDecoder:
         layout at its body (the body's contents are still checked every time). Decoded schemas, and with
         them those caches, are shared by the decoders of a process.
         """
-        key = bytes(metadata) if isinstance(metadata, (bytes, memoryview)) else None
+        if type(metadata) is bytes:
+            key: bytes | None = metadata
+        else:
+            key = bytes(metadata) if isinstance(metadata, (bytes, memoryview)) else None
+        if key is not None:
+            prep = self._prepared.get(key)
+            # a batch layout checked before: straight to pyarrow's reader
+            if (
+                prep is not None
+                and prep.frame is not None
+                and self.ipc_reader
+                and type(body) is not ScatteredBody
+            ):
+                return self._decode_ipc(prep, body)
         if key is not None and self._info is None:
             known = SCHEMAS.get(key)
             if known is not None:
@@ -264,8 +301,161 @@ class MessageDecoder:
         if prep is None or prep.compiled is not c:
             prep = self._prepare(c, h, body_length)
             if key is not None:
+                # (pyarrow's reader refuses buffers at offsets that are not multiples of 8)
+                frame = frame_parts(key)
+                if c.ipc_ok and not bool((h.buffers[:, 0] & 7).any()) and distinct_sizes(frame, body_length):
+                    prep.frame = frame
+                    prep.head = memoryview(frame_head(key)).cast("b")  # as memoryview(pa.Buffer)
                 remember(cache, key, prep)
+        if prep.frame is not None and self.ipc_reader:
+            return self._decode_ipc(prep, body)
         return self._instantiate(c, prep, body)
+
+    # ------------------------------------------------------------------------- through pyarrow's IPC reader
+
+    def _decode_ipc(self, prep: Prepared, body: object) -> pa.RecordBatch:
+        """A batch whose layout is checked and cached (``prep.frame`` set), built by pyarrow over ``body``."""
+        c = prep.compiled
+        need = prep.body_length
+        buf: pa.Buffer | None = None
+        if type(body) is bytes:
+            size = len(body)
+            piece: object = body if size == need else memoryview(body)[:need]
+        else:
+            buf = body if isinstance(body, pa.Buffer) else _as_buffer(body)
+            size = buf.size
+            piece = buf if size == need else buf.slice(0, need)
+        if size < need:
+            raise CodecError(f"message body: expected {need} bytes, got {size}")
+        validate = self.validate
+        if validate:
+            checked = c.checked if prep.small else c.checked_all
+            if checked:
+                if buf is None:
+                    buf = pa.py_buffer(body)
+                self._check(
+                    c,
+                    prep.nodes,
+                    prep.nbuf,
+                    prep.first,
+                    prep.offsets + np.uint64(buf.address),
+                    prep.lengths,
+                    checked,
+                )
+        sources = self._sources
+        source = sources.pop() if sources else FramedSource()
+        frame = prep.frame
+        assert frame is not None
+        # pyarrow asks for the length, the metadata and the body by size: a dict lookup answers each
+        source.read = {4: frame[0], len(frame[1]): frame[1], need: piece}.get
+        try:
+            message = _read_message(source.file)
+            source.read = _NOTHING
+            sources.append(source)
+            batch = _read_record_batch(message, c.schema)
+        except (pa.ArrowException, ValueError, TypeError, OSError):
+            # pyarrow refuses what our checks accepted: our codec decides, on the C Data Interface path
+            source.read = _NOTHING
+            return self._ipc_refused(prep, buf if buf is not None else pa.py_buffer(body))
+        if validate and prep.small and c.full_columns:
+            self._validate_ipc(prep, batch, message, buf if buf is not None else body)
+        elif not prep.shape_checked:
+            try:
+                batch.validate()
+            except (pa.ArrowException, ValueError) as e:
+                raise CodecError(f"RecordBatch: invalid data: {e}") from None
+        return batch
+
+    def _ipc_refused(self, prep: Prepared, body: pa.Buffer) -> pa.RecordBatch:
+        log.debug("pyarrow's IPC reader refused a checked layout; decoding it through the C Data Interface")
+        prep.frame = None
+        return self._instantiate(prep.compiled, prep, body)
+
+    def _validate_ipc(
+        self, prep: Prepared, batch: pa.RecordBatch, message: pa.ipc.Message, body: object, at: int = 0
+    ) -> None:
+        """The content checks of a small batch with fully validated columns that pyarrow's IPC reader built
+        from ``message`` over ``body`` (whose first ``at`` bytes come before the message body).
+
+        Its data buffers are the metadata's (not sized from the offsets, as the C importer sizes them), so
+        full validation sees binary offsets past the data received, which :meth:`_check_offset_bounds` checks
+        on the other path; that check runs here only once validation failed, to say what is wrong the same
+        way. Top-level string columns are validated as binary plus an ASCII check of their data (see
+        :attr:`Compiled.str_columns`), which accepts and refuses exactly what string validation does."""
+        c = prep.compiled
+        try:
+            if prep.as_binary:
+                # the same layout under binary types: the same checks but UTF-8, which _ascii makes
+                as_bin = _read_record_batch(message, c.bin_schema)
+                if c.whole_full:
+                    as_bin.validate(full=True)
+                else:
+                    as_bin.validate()
+                    as_bin.select(c.full_columns).validate(full=True)
+                if not _ascii(prep, body, at):
+                    batch.select(c.str_columns).validate(full=True)
+            elif c.whole_full:
+                batch.validate(full=True)  # includes the cheap validation
+            else:
+                batch.validate()
+                batch.select(c.full_columns).validate(full=True)
+        except (pa.ArrowException, ValueError) as e:
+            if self.validate and prep.small and c.offset_bounds:
+                address = body.address if isinstance(body, pa.Buffer) else pa.py_buffer(body).address
+                self._check_offset_bounds(c, prep, address + at)
+            raise CodecError(f"RecordBatch: invalid data: {e}") from None
+
+    def decode_landed(self, metadata: object, landing: pa.Buffer) -> pa.RecordBatch | None:
+        """Decode one message whose body was landed after ``frame_room(len(metadata))`` spare bytes.
+
+        ``landing`` is one writable allocation: ``frame_room(len(metadata))`` bytes of room (their contents
+        are overwritten), then the body. For a batch whose metadata this decoder has seen before, the
+        encapsulation framing and the metadata are written into the room and pyarrow reads the whole
+        allocation as one message, so nothing is copied and nothing is read through Python; everything else
+        decodes as ``decode(metadata, landing.slice(room))`` would. The same checks run either way.
+        """
+        if not isinstance(landing, pa.Buffer):
+            raise CodecError(f"the landing must be a pa.Buffer, got {type(landing).__name__}")
+        if type(metadata) is bytes:
+            key = metadata
+        elif isinstance(metadata, (bytes, memoryview)):
+            key = bytes(metadata)
+        else:
+            raise CodecError(f"metadata must be bytes-like, got {type(metadata).__name__}")
+        prep = self._prepared.get(key)
+        size = landing.size
+        if prep is None or prep.frame is None or not self.ipc_reader or not landing.is_mutable:
+            room = frame_room(len(key))
+            if size < room:
+                raise CodecError(f"the landing holds {size} bytes, less than the {room} bytes of room")
+            return self.decode(key, landing.slice(room))
+        c = prep.compiled
+        head = prep.head
+        room = len(head)  # frame_room(len(key))
+        if size - room < prep.body_length:
+            if size < room:
+                raise CodecError(f"the landing holds {size} bytes, less than the {room} bytes of room")
+            raise CodecError(f"message body: expected {prep.body_length} bytes, got {size - room}")
+        validate = self.validate
+        if validate:
+            checked = c.checked if prep.small else c.checked_all
+            if checked:
+                at = np.uint64(landing.address + room)
+                self._check(c, prep.nodes, prep.nbuf, prep.first, prep.offsets + at, prep.lengths, checked)
+        memoryview(landing)[:room] = head  # the framing and metadata, into the room
+        try:
+            message = _read_message(landing)
+            batch = _read_record_batch(message, c.schema)
+        except (pa.ArrowException, ValueError, TypeError, OSError):
+            return self._ipc_refused(prep, landing.slice(room))
+        if validate and prep.small and c.full_columns:
+            self._validate_ipc(prep, batch, message, landing, room)
+        elif not prep.shape_checked:
+            try:
+                batch.validate()
+            except (pa.ArrowException, ValueError) as e:
+                raise CodecError(f"RecordBatch: invalid data: {e}") from None
+        return batch
 
     def _layout(self, c: Compiled, h: RecordBatchHeader, limit: int) -> npt.NDArray[np.int64]:
         """Check the header against the schema and a ``limit``-byte body; returns IPC buffers per node."""
@@ -324,7 +514,7 @@ class MessageDecoder:
                     f"RecordBatch: dictionary id {did} is used before any DictionaryBatch for it"
                 )
         address = 0 if prep.absolute else body.address
-        small = prep.nodes[0, 0] <= _SMALL_BATCH_ROWS if len(prep.nodes) else True
+        small = prep.small
         checked = c.checked if small else c.checked_all
         if checked and self.validate:
             self._check(
@@ -344,7 +534,7 @@ class MessageDecoder:
         for i, did in c.dict_nodes:
             structs[i + 1, 7] = cdata.export_array(self.dictionaries[did], keep)
         try:
-            batch = cdata.import_batch(structs, base, c.schema, keep)
+            batch = cdata.import_batch(structs, base, c.schema, keep, c.dict_owners)
         except (pa.ArrowException, ValueError, TypeError) as e:
             raise CodecError(f"RecordBatch: invalid layout: {e}") from None
         self._validate(c, batch, small)
@@ -544,6 +734,23 @@ class MessageDecoder:
                     addrs[k] = arr.ctypes.data if arr.size else np.uint64(body.address)
                     lens[k] = arr.size
         return addrs, lens
+
+
+def _ascii(prep: Prepared, body: object, at: int = 0) -> bool:
+    """Whether the data buffers of the top-level string columns hold ASCII bytes only (then every value in
+    them is valid UTF-8). The buffers lie in ``body`` from byte ``at`` on: checked when the layout was
+    prepared."""
+    spans = prep.str_spans
+    if spans is None:
+        ks = (prep.first[prep.compiled.str_nodes] + 2).tolist()
+        spans = prep.str_spans = [(int(prep.offsets[k]), int(prep.offsets[k] + prep.lengths[k])) for k in ks]
+    if len(spans) == 1:
+        a, b = spans[0]
+        if type(body) is bytes:
+            return body[a + at : b + at].isascii()
+        return memoryview(body)[a + at : b + at].tobytes().isascii()  # type: ignore[arg-type]
+    view = memoryview(body)  # type: ignore[arg-type]
+    return b"".join([view[a + at : b + at] for a, b in spans]).isascii()
 
 
 def _as_buffer(body: object) -> pa.Buffer:

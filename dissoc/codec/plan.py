@@ -27,6 +27,7 @@ __all__ = [
     "CACHE_SIZE",
     "SCHEMAS",
     "SCHEMAS_LOCK",
+    "SMALL_BATCH_ROWS",
     "Compiled",
     "Prepared",
     "build_template",
@@ -87,6 +88,8 @@ class Compiled:
         self.view_nodes = np.flatnonzero(layouts == Layout.VIEW)
         self.null_nodes = np.flatnonzero(layouts == Layout.NULL)
         self.dict_nodes = [(i, p.dict_id) for i, p in enumerate(flat) if p.dict_id >= 0]
+        # the structs (root first) of the nodes that own an exported dictionary
+        self.dict_owners = np.array([i + 1 for i, _ in self.dict_nodes], np.intp)
         self.n_children = np.array([len(c) for c in children], np.uint64)
         self.child_idx = np.array([i for c in children for i in c], np.uint64)
         cs = np.zeros(n + 1, np.uint64)
@@ -145,6 +148,30 @@ class Compiled:
             else:
                 self.checked.extend(risky_nodes)
         self.all_full = len(self.full_columns) == len(plans)
+        # Only top-level fixed-width columns (no dictionaries, no children): pyarrow's cheap validation of
+        # such a batch checks nothing that Prepared.shape_checked does not (see there).
+        self.flat_fixed = bool(flat) and all(
+            p.layout in (Layout.FIXED, Layout.BOOL) and p.dict_id < 0 and not p.children for p in flat
+        )
+        # Every column's full validation judges memory safety only: one full validation of the whole batch
+        # then checks what validating the risky columns would, without selecting them first.
+        self.whole_full = all(fully_validatable(p.field.type) for p in plans)
+        # Batches pyarrow's IPC reader can build from our checked metadata (dissoc.codec.ipcread): not with
+        # dictionaries (pyarrow would need them in its own memo) nor V4 unions (a validity buffer that the
+        # reader of a V5 schema does not expect).
+        self.ipc_ok = not self.dict_nodes and not bool(self.drop_first.any())
+        # Top-level string columns among the fully validated ones, when their batch comes from pyarrow's IPC
+        # reader: the batch is read a second time with binary types for them and validated that way, and
+        # their data buffers are checked to be ASCII, which makes every value valid UTF-8 (any other byte, and
+        # they get string validation): this accepts and refuses exactly what validating them as strings
+        # does, for less than its per-value UTF-8 check where there are many string values (see
+        # Prepared.as_binary).
+        as_bytes = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary()}
+        self.str_columns = [j for j in self.full_columns if plans[j].field.type in as_bytes]
+        self.str_nodes = [starts[j] for j in self.str_columns]
+        self.bin_schema = pa.schema(
+            [f.with_type(as_bytes.get(f.type, f.type)) for f in schema], metadata=schema.metadata
+        )
         # Large batches check every risky node with numpy instead: pyarrow's full validation also checks
         # UTF-8, which costs more per byte than numpy's offset checks.
         self.checked_all = [i for i, p in enumerate(flat) if p.layout in risky or p.dict_id >= 0]
@@ -158,6 +185,9 @@ def exclusive_cumsum(a: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
 
 
 CACHE_SIZE = 64
+#: Batches of at most this many rows get pyarrow's full validation as (part of) their content checks; larger
+#: ones get the numpy checks of :mod:`dissoc.codec.checks` only (see :attr:`Compiled.checked_all`).
+SMALL_BATCH_ROWS = 8192
 #: Schemas decoded in this process, by their Schema message bytes: (schema info, version, compiled plans).
 #: A client opens one stream per request, each starting with the same Schema message; sharing the compiled
 #: plans (and, through them, the parsed and prepared batch layouts) saves ~0.35 ms per stream. Everything
@@ -177,6 +207,9 @@ def remember(cache: dict[bytes, _V], key: bytes, value: _V) -> None:
     cache[key] = value
 
 
+_NO_HEAD = memoryview(b"")
+
+
 @dataclass(eq=False, slots=True)
 class Prepared:
     """The metadata-only part of decoding one uncompressed batch layout: a struct template with pointers
@@ -194,6 +227,22 @@ class Prepared:
     lengths: npt.NDArray[np.int64]
     body_length: int
     absolute: bool = False
+    #: For pyarrow's IPC reader (:mod:`dissoc.codec.ipcread`): the framing pieces of this metadata, and the
+    #: same joined; None where this layout stays on the C Data Interface import.
+    frame: tuple[bytes, bytes] | None = None
+    head: memoryview = _NO_HEAD
+    #: Few enough rows for pyarrow's full validation to be the cheaper content check.
+    small: bool = True
+    #: Whether validating the top-level string columns as binary plus an ASCII check (Compiled.str_columns)
+    #: costs less than their UTF-8 check: a second read costs about a quarter of a microsecond per node, the
+    #: UTF-8 check about two nanoseconds per value, the ASCII check and the rest about a microsecond.
+    as_binary: bool = False
+    #: For a schema of fixed-width columns only (Compiled.flat_fixed): every column is as long as the batch
+    #: and holds at most that many nulls. With the buffer sizes checked against the lengths, that is all
+    #: pyarrow's cheap validation of such a batch checks, so batches of this layout skip it.
+    shape_checked: bool = False
+    #: Where the data buffers of the top-level string columns lie in the body: (start, end) byte offsets.
+    str_spans: list[tuple[int, int]] | None = None
 
 
 def relative_pointers(
@@ -270,6 +319,8 @@ def build_template(
     if nbuf_c is not None:
         structs[1:, 3] = nbuf_c
     structs[:, 5] = cbuf_rel + np.uint64(sbytes)
+    # child structs that own no dictionary get cdata's release callback now (import_batch(owners=...))
+    structs[1:, 8] = cdata.children_release()
     words[10 * (n + 1) : 10 * (n + 1) + nptr] = ptrs
     mem_fields = [np.arange(n + 1) * 10 + 5]
     if nkid:
@@ -291,4 +342,10 @@ def build_template(
         lengths=lens,
         body_length=body_length or 0,
         absolute=body_length is None,
+        small=bool(nodes[0, 0] <= SMALL_BATCH_ROWS) if len(nodes) else True,
+        shape_checked=c.flat_fixed
+        and bool((nodes[:, 0] == h.length).all())
+        and bool(((nodes[:, 1] >= 0) & (nodes[:, 1] <= nodes[:, 0])).all()),
+        as_binary=bool(c.str_columns)
+        and 2 * int(nodes[c.str_nodes, 0].sum()) > 250 * c.n_nodes + 1000,  # nanoseconds
     )

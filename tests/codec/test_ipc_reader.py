@@ -1,0 +1,438 @@
+"""The decoder's pyarrow IPC reader path (``dissoc.codec.ipcread``) and ``decode_landed``.
+
+Packed host bodies whose layout our checks accepted are built by pyarrow's C++ IPC reader: these tests hold it
+to the C Data Interface path (``ipc_reader=False``), which must give the same batches and refuse the same
+input, through ``decode`` (first and repeated metadata) and ``decode_landed`` (framing written into headroom
+before the body). Batches stay zero-copy: their buffers lie in the body received, or in the landing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import struct
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dissoc import codec
+from dissoc.codec import decoder as decoder_module
+from dissoc.codec.plan import SMALL_BATCH_ROWS
+from dissoc.errors import CodecError
+
+from .util import assert_batch_equal, walk_arrays
+
+pytestmark = pytest.mark.timeout(120)
+
+ROWS = 64
+
+
+def _columns(n: int = ROWS) -> dict[str, Callable[[], pa.Array]]:
+    return {
+        "int64": lambda: pa.array(np.arange(n, dtype=np.int64)),
+        "float_nulls": lambda: pa.array([None if i % 3 == 0 else i / 2 for i in range(n)]),
+        "bool": lambda: pa.array([i % 3 == 1 for i in range(n)]),
+        "string": lambda: pa.array([None if i % 7 == 0 else "v" * (i % 13) for i in range(n)]),
+        "utf8_multibyte": lambda: pa.array(["é€" * (i % 4) for i in range(n)]),
+        "large_binary": lambda: pa.array([b"w" * (i % 9) for i in range(n)], pa.large_binary()),
+        "list": lambda: pa.array([list(range(i % 4)) for i in range(n)], pa.list_(pa.int32())),
+        "list_view": lambda: pa.array([list(range(i % 3)) for i in range(n)], pa.list_view(pa.int32())),
+        "string_view": lambda: pa.array(["s" * (i % 20) for i in range(n)], pa.string_view()),
+        "struct": lambda: pa.array([{"x": i, "y": "t" * (i % 3)} for i in range(n)]),
+        "decimal": lambda: pa.array([i * 10**20 for i in range(n)], pa.decimal128(38, 0)),
+        "dense_union": lambda: pa.UnionArray.from_dense(
+            pa.array([i % 2 for i in range(n)], pa.int8()),
+            pa.array([i // 2 for i in range(n)], pa.int32()),
+            [pa.array(range(n)), pa.array(["u"] * n)],
+        ),
+        "run_end": lambda: pa.RunEndEncodedArray.from_arrays(
+            pa.array(range(1, n + 1), pa.int32()), pa.array(range(n))
+        ),
+        "map": lambda: pa.array([[("k", i)] * (i % 3) for i in range(n)], pa.map_(pa.string(), pa.int64())),
+    }
+
+
+COLUMNS = _columns()
+
+
+def _encode(batch: pa.RecordBatch) -> tuple[bytes, bytes, bytes]:
+    """(schema metadata, batch metadata, packed body) of ``batch``."""
+    encoder = codec.MessageEncoder(batch.schema)
+    (message,) = encoder.encode(batch)
+    body = b"".join(bytes(memoryview(b)) for b in message.body_buffers)
+    return bytes(encoder.schema_message().metadata), bytes(message.metadata), body
+
+
+def _decoder(schema_md: bytes, **kwargs: Any) -> codec.MessageDecoder:
+    dec = codec.MessageDecoder(**kwargs)
+    assert dec.decode(schema_md) is None
+    return dec
+
+
+def _land(metadata: bytes, body: bytes, extra: int = 0) -> pa.Buffer:
+    room = codec.frame_room(len(metadata))
+    landing = pa.allocate_buffer(room + len(body) + extra)
+    np.frombuffer(landing, np.uint8)[:] = 0xAB  # the room's old contents must not matter
+    np.frombuffer(landing, np.uint8)[room : room + len(body)] = np.frombuffer(body, np.uint8)
+    return landing
+
+
+def _assert_inside(batch: pa.RecordBatch, source: pa.Buffer) -> None:
+    low, high = source.address, source.address + source.size
+    for column in batch.columns:
+        for arr in walk_arrays(column):
+            for buf in arr.buffers():
+                if buf is None or buf.size == 0:
+                    continue
+                assert low <= buf.address and buf.address + buf.size <= high
+
+
+def _outcome(fn: Callable[[], pa.RecordBatch | None]) -> pa.RecordBatch | str | None:
+    try:
+        return fn()
+    except CodecError:
+        return "CodecError"
+
+
+def _equal_values(a: object, b: object) -> bool:
+    """Python values equal, NaN equal to NaN (damaged float bits are often NaNs)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_equal_values(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal_values(a[k], b[k]) for k in a)
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return _equal_values(list(a), list(b))
+    return a == b
+
+
+def _same(a: pa.RecordBatch | str | None, b: pa.RecordBatch | str | None, what: str) -> None:
+    if isinstance(a, str) or isinstance(b, str) or a is None or b is None:
+        assert a == b, f"{what}: {a!r} vs {b!r}"
+    else:
+        assert a.schema.equals(b.schema), what
+        assert _equal_values(_values(a), _values(b)), what
+
+
+_AS_BYTES = {
+    pa.string(): pa.binary(),
+    pa.large_string(): pa.large_binary(),
+    pa.string_view(): pa.binary_view(),
+}
+
+
+def _values(batch: pa.RecordBatch) -> list[object]:
+    """The columns' values (string views, checked for memory safety only, as bytes)."""
+    return [
+        c.cast(_AS_BYTES[c.type]).to_pylist() if c.type in _AS_BYTES else c.to_pylist() for c in batch.columns
+    ]
+
+
+def test_frame_room() -> None:
+    assert [codec.frame_room(n) for n in (0, 1, 7, 8, 9, 200)] == [8, 16, 16, 16, 24, 208]
+    with pytest.raises(ValueError):
+        codec.frame_room(-1)
+
+
+@pytest.mark.parametrize("kind", sorted(COLUMNS))
+def test_same_batches_as_the_c_data_interface_path_zero_copy(kind: str) -> None:
+    batch = pa.record_batch({"c": COLUMNS[kind](), "n": pa.array(range(ROWS))})
+    schema_md, md, body = _encode(batch)
+    fast = _decoder(schema_md)
+    slow = _decoder(schema_md, ipc_reader=False)
+    for _ in range(3):  # first sight of the metadata, then the cached layout
+        received = pa.py_buffer(bytes(body))
+        got = fast.decode(md, received)
+        assert_batch_equal(got, batch)
+        _assert_inside(got, received)
+        assert_batch_equal(fast.decode(md, bytes(body)), batch)
+        assert_batch_equal(slow.decode(md, received), batch)
+        landing = _land(md, body)
+        landed = fast.decode_landed(md, landing)
+        assert_batch_equal(landed, batch)
+        _assert_inside(landed, landing)
+
+
+def test_repeated_metadata_each_batch_reads_its_own_body() -> None:
+    batches = [
+        pa.record_batch({"a": pa.array(np.arange(1024) * k), "b": pa.array(np.arange(1024) - k)})
+        for k in range(1, 5)
+    ]
+    encoded = [_encode(b) for b in batches]
+    assert len({md for _, md, _ in encoded}) == 1  # same shape: the metadata repeats byte for byte
+    dec = _decoder(encoded[0][0])
+    got = [dec.decode(md, body) for _, md, body in encoded]
+    got += [dec.decode_landed(md, _land(md, body, extra=24)) for _, md, body in encoded]
+    for g, b in zip(got, batches + batches, strict=True):
+        assert_batch_equal(g, b)
+
+
+def test_a_longer_body_is_read_up_to_its_length() -> None:
+    batch = pa.record_batch({"s": pa.array(["ab", None, "cde"] * 10)})
+    schema_md, md, body = _encode(batch)
+    dec = _decoder(schema_md)
+    for _ in range(2):
+        assert_batch_equal(dec.decode(md, body + b"\x99" * 40), batch)
+        assert_batch_equal(dec.decode(md, pa.py_buffer(body + b"\x99" * 40)), batch)
+        assert_batch_equal(dec.decode(md, memoryview(body + b"\x99" * 40)), batch)
+
+
+@pytest.mark.parametrize("landed", [False, True], ids=["packed", "landed"])
+def test_short_bodies_and_bad_landings_are_refused(landed: bool) -> None:
+    batch = pa.record_batch({"a": pa.array(range(100))})
+    schema_md, md, body = _encode(batch)
+    dec = _decoder(schema_md)
+    dec.decode(md, body)  # cached from here on
+    with pytest.raises(CodecError, match="expected"):
+        if landed:
+            dec.decode_landed(md, _land(md, body[:-8]))
+        else:
+            dec.decode(md, body[:-8])
+    if landed:
+        with pytest.raises(CodecError, match="room"):
+            dec.decode_landed(md, pa.allocate_buffer(8))
+        with pytest.raises(CodecError, match=r"pa\.Buffer"):
+            dec.decode_landed(md, bytearray(codec.frame_room(len(md)) + len(body)))
+
+
+def test_an_immutable_landing_is_decoded_without_writing_to_it() -> None:
+    batch = pa.record_batch({"a": pa.array(range(100))})
+    schema_md, md, body = _encode(batch)
+    dec = _decoder(schema_md)
+    immutable = pa.py_buffer(bytes(codec.frame_room(len(md))) + body)
+    for _ in range(2):
+        assert_batch_equal(dec.decode_landed(md, immutable), batch)
+    assert immutable.to_pybytes()[: codec.frame_room(len(md))] == bytes(codec.frame_room(len(md)))
+
+
+def test_schema_and_dictionary_messages_through_decode_landed() -> None:
+    batch = pa.record_batch({"d": pa.array(["x", "y", None, "x"]).dictionary_encode()})
+    encoder = codec.MessageEncoder(batch.schema)
+    dec = codec.MessageDecoder()
+    schema_md = bytes(encoder.schema_message().metadata)
+    assert dec.decode_landed(schema_md, pa.allocate_buffer(codec.frame_room(len(schema_md)))) is None
+    for _ in range(2):
+        got = None
+        for m in encoder.encode(batch):
+            mbody = b"".join(bytes(memoryview(b)) for b in m.body_buffers)
+            got = dec.decode_landed(bytes(m.metadata), _land(bytes(m.metadata), mbody))
+        assert_batch_equal(got, batch)
+
+
+def _offsets_past_the_data(rows: int) -> tuple[pa.RecordBatch, bytes, bytes, bytes]:
+    values = [b"x" * (i % 5 + 1) for i in range(rows)]
+    batch = pa.record_batch({"s": pa.array(values, pa.string()), "n": pa.array(range(rows))})
+    schema_md, md, body = _encode(batch)
+    offsets = np.concatenate([[0], np.cumsum([len(v) for v in values])]).astype("<i4").tobytes()
+    at = body.find(offsets)
+    assert at >= 0
+    damaged = bytearray(body)
+    damaged[at + len(offsets) - 4 : at + len(offsets)] = (int(sum(map(len, values))) + 1).to_bytes(
+        4, "little"
+    )
+    return batch, schema_md, md, bytes(damaged)
+
+
+@pytest.mark.parametrize("rows", [SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1], ids=["small", "large"])
+@pytest.mark.parametrize("how", ["first", "cached", "landed"])
+def test_offsets_out_of_range_are_refused_on_both_sides_of_the_small_batch_threshold(
+    rows: int, how: str
+) -> None:
+    batch, schema_md, md, damaged = _offsets_past_the_data(rows)
+    good = _encode(batch)[2]
+    dec = _decoder(schema_md)
+    if how != "first":
+        assert_batch_equal(dec.decode(md, good), batch)
+    with pytest.raises(CodecError, match="offset"):
+        if how == "landed":
+            dec.decode_landed(md, _land(md, damaged))
+        else:
+            dec.decode(md, damaged)
+    assert_batch_equal(dec.decode(md, good), batch)  # a refused body leaves the decoder usable
+
+
+def test_validate_false_skips_content_checks_but_not_sizes() -> None:
+    rows = 50
+    values = [b"ab"] * rows
+    batch = pa.record_batch({"s": pa.array(values, pa.binary())})
+    schema_md, md, body = _encode(batch)
+    offsets = np.arange(0, 2 * rows + 1, 2, dtype="<i4").tobytes()
+    at = body.find(offsets)
+    damaged = bytearray(body)
+    damaged[at + 4 * 10 : at + 4 * 11] = (99).to_bytes(4, "little")  # slot 10's offset out of order
+    trusting = _decoder(schema_md, validate=False)
+    checking = _decoder(schema_md)
+    for _ in range(2):
+        assert_batch_equal(trusting.decode(md, body), batch)
+        trusted = trusting.decode(md, bytes(damaged))  # contents not checked
+        assert trusted is not None and trusted.num_rows == rows
+        with pytest.raises(CodecError):
+            checking.decode(md, bytes(damaged))
+        with pytest.raises(CodecError, match="expected"):
+            trusting.decode(md, body[:-8])  # sizes are always checked
+
+
+def test_what_pyarrow_refuses_falls_back_to_our_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    batch = pa.record_batch({"s": pa.array(["a", "bc", None] * 5)})
+    schema_md, md, body = _encode(batch)
+    dec = _decoder(schema_md)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise pa.ArrowInvalid("refused")
+
+    monkeypatch.setattr(decoder_module, "_read_record_batch", refuse)
+    for _ in range(2):
+        assert_batch_equal(dec.decode(md, body), batch)
+    assert_batch_equal(dec.decode_landed(md, _land(md, body)), batch)
+    monkeypatch.undo()
+    assert_batch_equal(dec.decode(md, body), batch)
+
+
+HOSTILE = [0, 1, 2, 0x7F, 0xFF, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 1 << 20, ROWS, ROWS + 1]
+
+
+@pytest.mark.parametrize("kind", sorted(COLUMNS))
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_damaged_body_gets_the_same_answer_on_every_path(kind: str, data: st.DataObject) -> None:
+    batch = pa.record_batch({"c": COLUMNS[kind]()})
+    schema_md, md, body = _encode(batch)
+    damaged = bytearray(body)
+    words = len(damaged) // 4
+    for _ in range(data.draw(st.integers(1, 3), label="words damaged")):
+        at = 4 * data.draw(st.integers(0, words - 1), label="word")
+        value = data.draw(st.sampled_from(HOSTILE) | st.integers(0, 0xFFFFFFFF), label="value")
+        damaged[at : at + 4] = value.to_bytes(4, "little")
+    bad = bytes(damaged)
+    slow = _outcome(lambda: _decoder(schema_md, ipc_reader=False).decode(md, bad))
+    fast = _decoder(schema_md)
+    fast.decode(md, body)  # the layout is cached: the damaged body takes the cached path
+    _same(_outcome(lambda: fast.decode(md, bad)), slow, "cached decode")
+    _same(_outcome(lambda: _decoder(schema_md).decode(md, bad)), slow, "first decode")
+    _same(_outcome(lambda: fast.decode_landed(md, _land(md, bad))), slow, "decode_landed")
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_damaged_metadata_gets_the_same_answer_on_every_path(data: st.DataObject) -> None:
+    kind = data.draw(st.sampled_from(sorted(COLUMNS)), label="kind")
+    batch = pa.record_batch({"c": COLUMNS[kind](), "n": pa.array(range(ROWS))})
+    schema_md, md, body = _encode(batch)
+    damaged = bytearray(md)
+    for _ in range(data.draw(st.integers(1, 2), label="bytes damaged")):
+        at = data.draw(st.integers(0, len(damaged) - 1), label="byte")
+        damaged[at] = data.draw(st.integers(0, 255), label="value")
+    bad = bytes(damaged)
+    slow = _outcome(lambda: _decoder(schema_md, ipc_reader=False).decode(bad, body))
+    _same(_outcome(lambda: _decoder(schema_md).decode(bad, body)), slow, "decode")
+    if len(bad) == len(md):
+        twice = _decoder(schema_md)
+        _outcome(lambda: twice.decode(bad, body))
+        _same(_outcome(lambda: twice.decode_landed(bad, _land(bad, body))), slow, "decode_landed")
+
+
+def test_one_decoder_shared_by_threads_gives_each_call_its_own_batch() -> None:
+    batches = [pa.record_batch({"a": pa.array(np.full(4096, k, np.int64))}) for k in range(8)]
+    encoded = [_encode(b) for b in batches]
+    dec = _decoder(encoded[0][0])
+    md = encoded[0][1]
+    dec.decode(md, encoded[0][2])
+
+    def work(k: int) -> bool:
+        body = encoded[k][2]
+        return all(dec.decode(md, body).equals(batches[k]) for _ in range(200))  # type: ignore[union-attr]
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(work, range(8)))
+
+
+@pytest.mark.parametrize("new_length", [1000, 1025, 0])
+def test_columns_that_are_not_as_long_as_the_batch_are_refused(new_length: int) -> None:
+    # fixed-width columns only: the decoder checks the column lengths against the batch length itself
+    # (cached), instead of pyarrow's cheap validation per batch
+    batch = pa.record_batch({"a": pa.array(np.arange(1024)), "b": pa.array(np.arange(1024.0))})
+    schema_md, md, body = _encode(batch)
+    old = struct.pack("<q", 1024)
+    spots = [i for i in range(len(md) - 7) if md[i : i + 8] == old]
+    bad = None
+    for i in spots:
+        candidate = md[:i] + struct.pack("<q", new_length) + md[i + 8 :]
+        header = codec.parse(candidate).batch
+        if header is not None and header.length == new_length and bool((header.nodes[:, 0] == 1024).all()):
+            bad = candidate
+    assert bad is not None, "the batch length field was not found"
+    for how in ("first", "cached", "landed", "c data"):
+        dec = _decoder(schema_md, ipc_reader=how != "c data")
+        with pytest.raises(CodecError):
+            if how == "cached":
+                with contextlib.suppress(CodecError):
+                    dec.decode(bad, body)
+            if how == "landed":
+                with contextlib.suppress(CodecError):
+                    dec.decode(bad, body)
+                dec.decode_landed(bad, _land(bad, body))
+            else:
+                dec.decode(bad, body)
+
+
+def _strings_batch(rows: int, values: Callable[[int], str | None]) -> pa.RecordBatch:
+    return pa.record_batch({"s": pa.array([values(i) for i in range(rows)], pa.string()), "n": range(rows)})
+
+
+STRING_ROWS = 3000  # enough values that strings are validated as binary plus an ASCII check
+
+
+def test_string_columns_validated_as_binary_take_the_ascii_shortcut_only_when_it_is_exact() -> None:
+    ascii_batch = _strings_batch(STRING_ROWS, lambda i: None if i % 5 == 0 else "ab" * (i % 4))
+    multibyte = _strings_batch(STRING_ROWS, lambda i: "é€😀" * (i % 3))
+    for batch in (ascii_batch, multibyte):
+        schema_md, md, body = _encode(batch)
+        dec = _decoder(schema_md)
+        for _ in range(2):
+            assert_batch_equal(dec.decode(md, body), batch)
+            assert_batch_equal(dec.decode_landed(md, _land(md, body)), batch)
+        prep = dec._prepared[md]
+        assert prep.frame is not None and prep.as_binary
+    # an invalid UTF-8 byte inside a value is refused on every path
+    schema_md, md, body = _encode(ascii_batch)
+    data = "".join("ab" * (i % 4) for i in range(STRING_ROWS) if i % 5).encode()
+    at = body.find(data)
+    assert at >= 0
+    damaged = bytearray(body)
+    damaged[at + 11] = 0xFF
+    bad = bytes(damaged)
+    for how in ("decode", "landed", "c data"):
+        dec = _decoder(schema_md, ipc_reader=how != "c data")
+        dec.decode(md, body)
+        with pytest.raises(CodecError, match=r"UTF8|utf8|UTF-8"):
+            if how == "landed":
+                dec.decode_landed(md, _land(md, bad))
+            else:
+                dec.decode(md, bad)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_damaged_string_bodies_validated_as_binary_get_the_same_answer_on_every_path(
+    data: st.DataObject,
+) -> None:
+    batch = _strings_batch(STRING_ROWS, lambda i: None if i % 7 == 0 else "xy€" * (i % 3) if i % 11 else "z")
+    schema_md, md, body = _encode(batch)
+    damaged = bytearray(body)
+    for _ in range(data.draw(st.integers(1, 3), label="bytes damaged")):
+        at = data.draw(st.integers(0, len(damaged) - 1), label="byte")
+        damaged[at] = data.draw(st.sampled_from([0x80, 0xC3, 0xFF, 0x00, 0x7F]) | st.integers(0, 255))
+    bad = bytes(damaged)
+    slow = _outcome(lambda: _decoder(schema_md, ipc_reader=False).decode(md, bad))
+    fast = _decoder(schema_md)
+    fast.decode(md, body)
+    assert fast._prepared[md].as_binary
+    _same(_outcome(lambda: fast.decode(md, bad)), slow, "cached decode")
+    _same(_outcome(lambda: fast.decode_landed(md, _land(md, bad))), slow, "decode_landed")
