@@ -109,6 +109,11 @@ def aligned_empty(length: int, alignment: int = ALIGNMENT) -> U8Array:
     return raw[offset : offset + length]
 
 
+#: Slabs a pool keeps for reuse (with the default 1 MiB slabs: 16 MiB).
+_MAX_SLABS = 16
+_NO_SLAB: U8Array = np.empty(0, dtype=np.uint8)
+
+
 class BufferPool:
     """Recycles large aligned receive buffers once nothing references them any more.
 
@@ -142,8 +147,11 @@ class BufferPool:
         self._lock = threading.Lock()
         self._slab_max = slab_max
         self._slab_bytes = slab_bytes
-        self._slab: U8Array = aligned_empty(0, alignment)
+        self._slab: U8Array = _NO_SLAB
         self._slab_pos = 0
+        # Raw arrays behind slabs, reused once nothing carved from them is alive (fresh pages cost a fault
+        # each on first write, more than the copy into them).
+        self._slab_raws: list[U8Array] = []
 
     @property
     def held_bytes(self) -> int:
@@ -155,10 +163,27 @@ class BufferPool:
         with self._lock:
             self._raws.clear()
             self._held = 0
+            self._slab_raws.clear()
 
     def _idle(self, index: int) -> bool:
         # An idle raw array is referenced by the pool's list and by getrefcount's argument, nothing else.
         return sys.getrefcount(self._raws[index]) == 2
+
+    def _next_slab(self) -> U8Array:
+        """A slab to carve from: an idle pooled one, else a new one (pooled while fewer than
+        ``_MAX_SLABS``). Called with the lock held."""
+        raws = self._slab_raws
+        self._slab = _NO_SLAB  # drop the view of the slab just used up: it may be idle already
+        # Idle: referenced by the list and getrefcount's argument only (no slab view, no carved buffer).
+        idle = next((i for i in range(len(raws)) if sys.getrefcount(raws[i]) == 2), -1)
+        if idle >= 0:
+            raw = raws[idle]
+        else:
+            raw = np.empty(self._slab_bytes + self._alignment, dtype=np.uint8)
+            if len(raws) < _MAX_SLABS:
+                raws.append(raw)
+        offset = -int(raw.ctypes.data) % self._alignment
+        return raw[offset : offset + self._slab_bytes]
 
     def allocate(self, length: int) -> U8Array:
         """An uninitialised aligned uint8 array of ``length`` bytes; reuses an idle pooled one if it can."""
@@ -169,7 +194,7 @@ class BufferPool:
                 end = pos + length
                 slab = self._slab
                 if end > slab.nbytes:
-                    slab = self._slab = aligned_empty(self._slab_bytes, alignment)
+                    slab = self._slab = self._next_slab()
                     pos, end = 0, length
                 self._slab_pos = (end + alignment - 1) & -alignment
                 return slab[pos:end]

@@ -432,3 +432,18 @@ def test_buffer_pool_carves_small_buffers_from_slabs() -> None:
     assert pool.allocate(0).nbytes == 0
     with pytest.raises(ValueError, match="slab_max"):
         BufferPool(slab_max=2, slab_bytes=1)
+
+
+def test_buffer_pool_reuses_slabs_nothing_uses() -> None:
+    pool = BufferPool(slab_max=4096, slab_bytes=8192)
+    held = pool.allocate(4096)
+    held_at = held.ctypes.data
+    dropped = [pool.allocate(4096) for _ in range(3)]  # fills the first slab, starts a second
+    second_at = dropped[1].ctypes.data  # the start of the second slab
+    assert abs(second_at - held_at) >= 8192
+    del dropped
+    more = [pool.allocate(4096) for _ in range(4)]  # the second slab is used up again: another is needed
+    addresses = [b.ctypes.data for b in more]
+    assert second_at in addresses  # the second slab was idle and is carved again
+    assert held_at not in addresses  # the first is still in use (``held``): never handed out twice
+    assert held.ctypes.data == held_at
