@@ -8,6 +8,7 @@ arrays whose bitmaps start mid-byte, rebased offsets and run-end slices are rewr
 from __future__ import annotations
 
 import logging
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,7 @@ import pyarrow as pa
 
 from dissoc.codec import cdata
 from dissoc.codec.compression import codec_id, compress_buffer
-from dissoc.codec.message import HeaderType, encode_dictionary_batch, encode_record_batch
+from dissoc.codec.message import HeaderType, message_template
 from dissoc.codec.schema import DictionaryIds, build_message, encode_schema, map_type
 from dissoc.errors import CodecError
 
@@ -30,6 +31,10 @@ log = logging.getLogger(__name__)
 #: :data:`dissoc.buffers.ALIGNMENT`).
 BODY_PADDING = 8
 _ZEROS = bytes(64)
+#: Zero padding by length (index n: n bytes).
+_PADS = [_ZEROS[:n] for n in range(BODY_PADDING)]
+_I32 = struct.Struct("<i")
+_I64 = struct.Struct("<q")
 _MINUS_ONE = (-1).to_bytes(8, "little", signed=True)
 
 
@@ -93,8 +98,9 @@ class _Flattener:
 
     def __init__(self, ids: DictionaryIds) -> None:
         self.ids = ids
-        self.nodes: list[tuple[int, int]] = []
+        self.nodes: list[int] = []  # flat: length, null count, length, null count, ...
         self.buffers: list[Any] = []
+        self.sizes: list[int] = []  # the byte size of each of ``buffers``
         self.variadic: list[int] = []
         self.dictionaries: list[tuple[int, pa.Array, tuple[int, ...]]] = []
 
@@ -113,13 +119,18 @@ class _Flattener:
             ty = ty.index_type
             kind = _FIXED
         if kind == _NULL:
-            self.nodes.append((n, n))
+            self.nodes += (n, n)
             return
         nulls = arr.null_count
-        self.nodes.append((n, nulls))
+        self.nodes += (n, nulls)
         bufs = arr.buffers()
         validity = _bitmap(bufs[0], off, n) if nulls else None
-        add = self.buffers.append
+        buffers, sizes = self.buffers, self.sizes
+
+        def add(buf: Any) -> None:
+            buffers.append(buf)
+            sizes.append(_nbytes(buf))
+
         if kind == _FIXED:
             width = ty.bit_width // 8
             add(validity)
@@ -148,7 +159,8 @@ class _Flattener:
             add(bufs[1].slice(off * 16, n * 16) if n else None)
             data = bufs[2:]
             self.variadic.append(len(data))
-            self.buffers.extend(data)
+            for buf in data:
+                add(buf)
         elif kind in (_LIST_VIEW, _LARGE_LIST_VIEW):
             w = 8 if kind == _LARGE_LIST_VIEW else 4
             add(validity)
@@ -176,6 +188,116 @@ class _Flattener:
         else:  # pragma: no cover - _kind_of raises first
             raise CodecError(f"cannot encode arrays of type {arr.type}")
 
+    def walk(self, arr: pa.Array, plan: _Plan) -> None:
+        """:meth:`visit` driven by a precomputed :func:`_plan`: no type inspection, and buffers that are
+        already exactly the bytes the message needs are used as they are, without slicing."""
+        kind, width, path, children = plan
+        if kind == _OTHER:
+            self.visit(arr, path)
+            return
+        n = len(arr)
+        nodes = self.nodes
+        if kind == _NULL:
+            nodes += (n, n)
+            return
+        off = arr.offset
+        nulls = arr.null_count
+        nodes += (n, nulls)
+        add, size = self.buffers.append, self.sizes.append
+        bufs = arr.buffers()
+        if nulls:  # every fast kind but null has a validity bitmap first
+            nb = (n + 7) >> 3
+            v = bufs[0]
+            if off & 7:
+                v = _bitmap(v, off, n)
+            elif off or v.size != nb:
+                v = v.slice(off >> 3, nb)
+            add(v)
+            size(nb)
+        else:
+            add(None)
+            size(0)
+        if kind == _FIXED:
+            nb = n * width
+            if nb:
+                d = bufs[1]
+                if off or d.size != nb:
+                    d = d.slice(off * width, nb)
+                add(d)
+                size(nb)
+            else:
+                add(None)
+                size(0)
+        elif kind == _BINARY or kind == _LARGE_BINARY or kind == _LIST or kind == _LARGE_LIST:
+            if n == 0:
+                add(None)
+                size(0)
+                first = last = 0
+            else:
+                o = bufs[1]
+                if width == 4:
+                    first = _I32.unpack_from(o, off * 4)[0]
+                    last = _I32.unpack_from(o, (off + n) * 4)[0]
+                else:
+                    first = _I64.unpack_from(o, off * 8)[0]
+                    last = _I64.unpack_from(o, (off + n) * 8)[0]
+                nb = (n + 1) * width
+                if first:
+                    add(np.frombuffer(o, "<i4" if width == 4 else "<i8", n + 1, off * width) - first)
+                elif off or o.size != nb:
+                    add(o.slice(off * width, nb))
+                else:
+                    add(o)
+                size(nb)
+            if kind == _BINARY or kind == _LARGE_BINARY:
+                if last > first:
+                    d = bufs[2]
+                    if first or d.size != last:
+                        d = d.slice(first, last - first)
+                    add(d)
+                    size(last - first)
+                else:
+                    add(None)
+                    size(0)
+            else:
+                values = arr.values
+                if first or last != len(values):
+                    values = values.slice(first, last - first)
+                self.walk(values, children[0])
+        elif kind == _BOOL:
+            nb = (n + 7) >> 3
+            if nb:
+                d = bufs[1]
+                if off & 7:
+                    d = _bitmap(d, off, n)
+                elif off or d.size != nb:
+                    d = d.slice(off >> 3, nb)
+                add(d)
+                size(nb)
+            else:
+                add(None)
+                size(0)
+        elif kind == _STRUCT:
+            walk = self.walk
+            for i, child in enumerate(children):
+                walk(arr.field(i), child)
+        elif kind == _FIXED_BYTES:
+            nb = n * width
+            if nb:
+                d = bufs[1]
+                if off or d.size != nb:
+                    d = d.slice(off * width, nb)
+                add(d)
+                size(nb)
+            else:
+                add(None)
+                size(0)
+        else:  # _FIXED_LIST
+            values = arr.values
+            if off or len(values) != n * width:
+                values = values.slice(off * width, n * width)
+            self.walk(values, children[0])
+
 
 (
     _NULL,
@@ -195,8 +317,38 @@ class _Flattener:
     _RUN_END,
     _DICTIONARY,
     _EXTENSION,
-) = range(17)
+    _OTHER,
+) = range(18)
 _KINDS: dict[int, int] = {}
+
+#: A column's walk, fixed per schema: (kind, width (bytes per value; offset width for binary and list
+#: kinds; list size for fixed-size lists), path (for dictionary ids), child plans). Kinds the fast walk does
+#: not handle are _OTHER and go to :meth:`_Flattener.visit`.
+_Plan = tuple[int, int, tuple[int, ...], tuple["_Plan", ...]]
+
+
+def _plan(ty: pa.DataType, path: tuple[int, ...]) -> _Plan:
+    """The walk of one field of type ``ty`` at ``path``."""
+    kind = _kind_of(ty)
+    width = 0
+    children: tuple[_Plan, ...] = ()
+    if kind == _FIXED:
+        width = ty.bit_width // 8
+    elif kind == _FIXED_BYTES:
+        width = ty.byte_width
+    elif kind in (_BINARY, _LIST):
+        width = 4
+    elif kind in (_LARGE_BINARY, _LARGE_LIST):
+        width = 8
+    elif kind == _FIXED_LIST:
+        width = ty.list_size
+    elif kind not in (_NULL, _BOOL, _STRUCT):
+        return (_OTHER, 0, path, ())
+    if kind in (_LIST, _LARGE_LIST, _FIXED_LIST):
+        children = (_plan(ty.field(0).type, (*path, 0)),)
+    elif kind == _STRUCT:
+        children = tuple(_plan(ty.field(i).type, (*path, i)) for i in range(ty.num_fields))
+    return (kind, width, path, children)
 
 
 def _kind_of(ty: pa.DataType) -> int:
@@ -316,6 +468,7 @@ class MessageEncoder:
         self._dicts: dict[int, pa.Array] = {}
         safe = pa.schema([f.with_type(_python_safe(f.type)) for f in schema])
         self._storage_schema = None if safe.equals(schema) else safe
+        self._plans = [_plan(f.type, (i,)) for i, f in enumerate(safe)]
 
     def schema_message(self) -> EncodedMessage:
         """The Schema message that starts every stream."""
@@ -331,9 +484,9 @@ class MessageEncoder:
         if self._storage_schema is not None:
             batch = cdata.view_as(batch, self._storage_schema)
         fl = _Flattener(self.ids)
-        visit = fl.visit
-        for i, column in enumerate(batch.columns):
-            visit(column, (i,))
+        walk = fl.walk
+        for column, plan in zip(batch.columns, self._plans):
+            walk(column, plan)
         out: list[EncodedMessage] = []
         seen: set[int] = set()
         for did, dictionary, path in fl.dictionaries:
@@ -379,38 +532,51 @@ class MessageEncoder:
         self, kind: int, length: int, fl: _Flattener, dict_id: int = 0, delta: bool = False
     ) -> EncodedMessage:
         body: list[Any] = []
-        spans: list[tuple[int, int]] = []
+        spans: list[int] = []  # flat: offset, length, offset, length, ...
         pos = 0
         comp = self.compression
-        for buf in fl.buffers:
-            n = _nbytes(buf)
-            if n == 0:
-                spans.append((pos, 0))
-                continue
-            if comp is not None:
+        add, span = body.append, spans.append
+        if comp is None:
+            for buf, n in zip(fl.buffers, fl.sizes):
+                span(pos)
+                span(n)
+                if n:
+                    add(buf)
+                    pos += n
+                    pad = -n & 7
+                    if pad:
+                        add(_PADS[pad])
+                        pos += pad
+        else:
+            for buf, n in zip(fl.buffers, fl.sizes):
+                if n == 0:
+                    span(pos)
+                    span(0)
+                    continue
                 mv = memoryview(buf)
                 packed = compress_buffer(comp, mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B"))
                 if packed is None:
-                    body.append(_MINUS_ONE)
-                    body.append(buf)
+                    add(_MINUS_ONE)
+                    add(buf)
                     n += 8
                 else:
-                    body.append(packed)
+                    add(packed)
                     n = len(packed)
-            else:
-                body.append(buf)
-            spans.append((pos, n))
-            pos += n
-            pad = (-n) % BODY_PADDING
-            if pad:
-                body.append(_ZEROS[:pad])
-                pos += pad
-        span_array = np.array(spans, np.int64).reshape(-1, 2)
-        nodes = np.array(fl.nodes, np.int64).reshape(-1, 2)
-        if kind == HeaderType.RecordBatch:
-            meta = encode_record_batch(length, nodes, span_array, pos, comp, fl.variadic or None)
-        else:
-            meta = encode_dictionary_batch(
-                dict_id, delta, length, nodes, span_array, pos, comp, fl.variadic or None
-            )
+                span(pos)
+                span(n)
+                pos += n
+                pad = -n & 7
+                if pad:
+                    add(_PADS[pad])
+                    pos += pad
+        variadic = fl.variadic
+        template = message_template(kind, len(fl.nodes) >> 1, len(fl.sizes), comp, len(variadic))
+        meta = template.fill(
+            pos,
+            length,
+            fl.nodes,
+            spans,
+            variadic,
+            (dict_id, delta) if kind == HeaderType.DictionaryBatch else None,
+        )
         return EncodedMessage(meta, body, pos, kind)
