@@ -260,15 +260,15 @@ class _Layout:
 
 
 class MessageTemplate:
-    """A RecordBatch (or DictionaryBatch) Message laid out once, whose numbers are patched per message.
+    """A RecordBatch (or DictionaryBatch) Message laid out once, whose numbers are filled in per message.
 
     Messages of one shape (header type, node count, buffer count, compression, variadic count) differ only in
     scalars and in the contents of their struct vectors, so :func:`_message_bytes` lays the shape out once
-    with every field written (none is left to a default) and :meth:`fill` writes the numbers of one message
-    into a copy at fixed positions.
+    with every field written (none is left to a default), and :meth:`fill` packs the bytes between the
+    numbers as constants and the numbers of one message with a single ``struct.pack``.
     """
 
-    __slots__ = ("_data", "_dictionary", "_scalars", "_nodes", "_buffers", "_variadic")
+    __slots__ = ("_chunks", "_dictionary", "_plain", "_struct")
 
     def __init__(
         self,
@@ -282,42 +282,63 @@ class MessageTemplate:
         zeros = np.zeros((n_nodes, 2), np.int64)
         spans = np.zeros((n_buffers, 2), np.int64)
         variadic = [0] * n_variadic or None
-        positions: dict[str, int] = {}
-        self._data = _message_bytes(
-            header_type, 0, 0, zeros, spans, compression, variadic, dictionary, positions
-        )
-        self._dictionary = positions.get("dictionary", 0)
-        self._scalars = (positions["body_length"], positions["length"])
-        self._nodes = (positions["nodes"], struct.Struct(f"<{2 * n_nodes}q"))
-        self._buffers = (positions["buffers"], struct.Struct(f"<{2 * n_buffers}q"))
-        self._variadic = (positions.get("variadic", 0), struct.Struct(f"<{n_variadic}q"))
+        at: dict[str, int] = {}
+        data = _message_bytes(header_type, 0, 0, zeros, spans, compression, variadic, dictionary, at)
+        fields = [(at["body_length"], "q", 1)]
+        if dictionary is not None:
+            fields += [(at["dictionary"], "q", 1), (at["dictionary"] + 8, "B", 1)]
+        fields += [(at["length"], "q", 1), (at["nodes"], "q", 2 * n_nodes), (at["buffers"], "q", 2 * n_buffers)]
+        if n_variadic:
+            fields.append((at["variadic"], "q", n_variadic))
+        fmt = ["<"]
+        chunks = []
+        prev = 0
+        for pos, code, count in fields:
+            if pos < prev:  # pragma: no cover - _message_bytes lays the numbers out in this order
+                raise AssertionError("message template fields out of order")
+            fmt.append(f"{pos - prev}s{count}{code}")
+            chunks.append(data[prev:pos])
+            prev = pos + count * struct.calcsize(code)
+        fmt.append(f"{len(data) - prev}s")
+        chunks.append(data[prev:])
+        self._struct = struct.Struct("".join(fmt))
+        self._chunks = tuple(chunks)
+        self._dictionary = dictionary is not None
+        self._plain = dictionary is None and not n_variadic
 
     def fill(
         self,
         body_length: int,
         length: int,
-        nodes: list[int],
-        buffers: list[int],
+        nodes: list[int] | npt.NDArray[np.int64],
+        buffers: list[int] | npt.NDArray[np.int64],
         variadic_counts: list[int] | None = None,
         dictionary: tuple[int, bool] | None = None,
     ) -> bytes:
         """The Message with these numbers: ``nodes`` and ``buffers`` flat (length, null count, length, ...)
-        and (offset, length, offset, ...); ``dictionary`` (id, is delta) for a DictionaryBatch."""
-        out = bytearray(self._data)
-        at_body, at_length = self._scalars
-        _I64.pack_into(out, at_body, body_length)
-        _I64.pack_into(out, at_length, length)
-        at, s = self._nodes
-        s.pack_into(out, at, *nodes)
-        at, s = self._buffers
-        s.pack_into(out, at, *buffers)
+        and (offset, length, offset, ...) (or int64 arrays of shape (n, 2)); ``variadic_counts`` as many as
+        the template has; ``dictionary`` (id, is delta) for a DictionaryBatch."""
+        if not isinstance(nodes, list):
+            nodes = nodes.ravel().tolist()
+        if not isinstance(buffers, list):
+            buffers = buffers.ravel().tolist()
+        c = self._chunks
+        if self._plain:
+            return self._struct.pack(c[0], body_length, c[1], length, c[2], *nodes, c[3], *buffers, c[4])
+        args: list[object] = [c[0], body_length]
+        i = 1
+        if self._dictionary:
+            if dictionary is None:
+                raise ValueError("a DictionaryBatch message needs its dictionary (id, is delta)")
+            args += [c[1], dictionary[0], c[2], 1 if dictionary[1] else 0]
+            i = 3
+        args += [c[i], length, c[i + 1], *nodes, c[i + 2], *buffers]
+        i += 3
         if variadic_counts:
-            at, s = self._variadic
-            s.pack_into(out, at, *variadic_counts)
-        if dictionary is not None:
-            _I64.pack_into(out, self._dictionary, dictionary[0])
-            out[self._dictionary + 8] = 1 if dictionary[1] else 0
-        return bytes(out)
+            args += [c[i], *variadic_counts]
+            i += 1
+        args.append(c[i])
+        return self._struct.pack(*args)
 
 
 _TEMPLATES: dict[tuple[int, int, int, int | None, int], MessageTemplate] = {}

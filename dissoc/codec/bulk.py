@@ -1,0 +1,281 @@
+"""Flattening wide record batches in bulk, through the Arrow C Data Interface.
+
+Walking a batch column by column costs a pyarrow wrapper object per column (about a microsecond each) before
+any work is done. For wide batches this module instead exports the whole batch once (``_export_to_c``: one
+call into C++ fills an ``ArrowArray`` struct per node) and reads every node's length, null count, offset and
+buffer addresses with a few numpy gathers, level by level. The body buffers are then ``pa.foreign_buffer``
+views of the batch's own memory (the batch is their base, so it lives as long as they do), cut to exactly the
+bytes the message needs.
+
+It takes only the common case: types whose layouts are plain (fixed width, boolean, binary and string, lists,
+structs, fixed-size lists, null), every bitmap starting on a byte boundary, no offsets to rebase, and
+children covering exactly their parent's values. Anything else returns ``None`` and the caller walks the batch
+column by column (:meth:`dissoc.codec.encoder._Flattener.walk`), which handles every case.
+
+Reading pointers: the exported structs, their pointer arrays and the offsets buffers sit anywhere in the
+process's memory, so they are read through :data:`_MEMORY`, a numpy view of the whole user address space,
+only ever indexed at addresses that pyarrow just handed out (never iterated, printed or copied whole).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from operator import itemgetter
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+
+from dissoc.codec import cdata
+
+__all__ = ["BulkPlan", "flatten"]
+
+# Kinds and roles (kinds mirror dissoc.codec.encoder's, which hands them over as plain ints).
+_BASE = 4096  # no object lives in the first page
+_SPAN = (1 << 57) - _BASE  # beyond any user-space address of x86-64 (5-level paging) and aarch64
+_MEMORY: npt.NDArray[np.uint8] = np.frombuffer(pa.foreign_buffer(_BASE, _SPAN), np.uint8)
+_MEMORY64: npt.NDArray[np.int64] = _MEMORY[: _SPAN - _SPAN % 8].view(np.int64)
+
+# ArrowArray fields (int64 each): length, null_count, offset, n_buffers, n_children, buffers, children, ...
+_LENGTH, _NULLS, _OFFSET, _BUFFERS, _CHILDREN = 0, 1, 2, 5, 6
+_FIELDS = np.array([_LENGTH, _NULLS, _OFFSET, _BUFFERS], np.int64)
+
+
+
+def _read64(addresses: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """The int64 values at these 8-byte-aligned addresses."""
+    return _MEMORY64[(addresses - _BASE) >> 3]
+
+
+@dataclass(frozen=True, slots=True)
+class BulkPlan:
+    """What is fixed per schema: the nodes (IPC order), where each node's struct is found, the checks that
+    the batch is a common case, and per IPC buffer the numbers that give its size from its node's."""
+
+    n_nodes: int
+    top_slots: npt.NDArray[np.int64]  # 8 * column index: where each column's struct pointer is
+    top: npt.NDArray[np.int64]  # node index of each column
+    # Per level below the columns: (child node indices, parent node indices, 8 * child slots).
+    levels: tuple[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]], ...]
+    null_nodes: npt.NDArray[np.int64]  # nodes of the null type: their null count is their length
+    # Nodes with offsets (binary and list kinds), by offset width: (width, node indices).
+    offset_nodes: tuple[tuple[int, npt.NDArray[np.int64]], ...]
+    # Children whose length is their parent's times a scale (struct: 1, fixed-size list: the list size).
+    scaled: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]
+    # Children of lists: their length is the parent's last offset.
+    listed: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
+    # Per IPC buffer: node, 8 * C buffer slot, and size = mul * n + plus * (n > 0) + bits * ceil(n / 8)
+    # + data * (last offset) for a node of length n.
+    buf_node: npt.NDArray[np.int64]
+    buf_slot: npt.NDArray[np.int64]
+    mul: npt.NDArray[np.int64]
+    plus: npt.NDArray[np.int64]
+    bits: npt.NDArray[np.int64]
+    data: npt.NDArray[np.int64]
+    # Validity buffers (empty without nulls): buffer indices and their nodes.
+    validity: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
+    # Per IPC buffer: its index in ``batch.to_struct_array().buffers()`` (every array's buffers, depth first).
+    buf_pos: npt.NDArray[np.int64]
+
+
+def _ints(values: list[int]) -> npt.NDArray[np.int64]:
+    return np.array(values, np.int64)
+
+
+def make_plan(columns: list[tuple[int, int, Any, tuple[Any, ...]]], kinds: dict[str, int]) -> BulkPlan | None:
+    """The :class:`BulkPlan` of columns given as the encoder's (kind, width, path, children) trees, with
+    ``kinds`` naming its kind numbers; ``None`` when a kind is not one this module takes."""
+    null, fixed, fixed_bytes, boolean = kinds["null"], kinds["fixed"], kinds["fixed_bytes"], kinds["bool"]
+    binary, large_binary = kinds["binary"], kinds["large_binary"]
+    lst, large_list = kinds["list"], kinds["large_list"]
+    struct, fixed_list = kinds["struct"], kinds["fixed_list"]
+    depth: list[int] = []
+    parent: list[int] = []
+    slot: list[int] = []
+    nulls: list[int] = []
+    offsets: dict[int, list[int]] = {4: [], 8: []}
+    scaled: list[tuple[int, int, int]] = []
+    listed: list[tuple[int, int]] = []
+    # node, C slot, mul, plus, bits, data
+    bufs: list[tuple[int, int, int, int, int, int]] = []
+    validity: list[tuple[int, int]] = []
+    node_first: list[int] = []
+    # Position of the next array's buffers in Array.buffers() of the batch as a struct array (the struct's own
+    # validity comes first); every layout taken here has one buffer per C buffer, and null arrays one.
+    at = [1]
+
+    def add(plan: tuple[int, int, Any, tuple[Any, ...]], up: int, j: int, d: int) -> bool:
+        kind, width, _, children = plan
+        i = len(depth)
+        node_first.append(at[0])
+        depth.append(d)
+        parent.append(up)
+        slot.append(j)
+        if kind == null:
+            nulls.append(i)
+            at[0] += 1
+            return True
+        at[0] += {boolean: 2, binary: 3, large_binary: 3, lst: 2, large_list: 2, struct: 1, fixed_list: 1}.get(
+            kind, 2
+        )
+        validity.append((len(bufs), i))
+        bufs.append((i, 0, 0, 0, 1, 0))
+        if kind in (fixed, fixed_bytes):
+            bufs.append((i, 1, width, 0, 0, 0))
+        elif kind == boolean:
+            bufs.append((i, 1, 0, 0, 1, 0))
+        elif kind in (binary, large_binary):
+            offsets[width].append(i)
+            bufs.append((i, 1, width, width, 0, 0))
+            bufs.append((i, 2, 0, 0, 0, 1))
+        elif kind in (lst, large_list):
+            offsets[width].append(i)
+            bufs.append((i, 1, width, width, 0, 0))
+            listed.append((len(depth), i))
+            return add(children[0], i, 0, d + 1)
+        elif kind == fixed_list:
+            scaled.append((len(depth), i, width))
+            return add(children[0], i, 0, d + 1)
+        elif kind == struct:
+            ok = True
+            for k, c in enumerate(children):
+                scaled.append((len(depth), i, 1))
+                ok = ok and add(c, i, k, d + 1)
+            return ok
+        else:
+            return False
+        return True
+
+    for j, col in enumerate(columns):
+        if not add(col, -1, j, 0):
+            return None
+    depth_arr, parent_arr, slot_arr = _ints(depth), _ints(parent), _ints(slot)
+    levels = []
+    for d in range(1, int(depth_arr.max(initial=0)) + 1):
+        at = np.flatnonzero(depth_arr == d)
+        levels.append((at, parent_arr[at], 8 * slot_arr[at]))
+    buf = _ints([x for b in bufs for x in b]).reshape(-1, 6)
+    sc = _ints([x for t in scaled for x in t]).reshape(-1, 3)
+    li = _ints([x for t in listed for x in t]).reshape(-1, 2)
+    va = _ints([x for t in validity for x in t]).reshape(-1, 2)
+    return BulkPlan(
+        n_nodes=len(depth),
+        top_slots=8 * np.arange(len(columns), dtype=np.int64),
+        top=np.flatnonzero(depth_arr == 0),
+        levels=tuple(levels),
+        null_nodes=_ints(nulls),
+        offset_nodes=tuple((w, _ints(on)) for w, on in offsets.items() if on),
+        scaled=(sc[:, 0].copy(), sc[:, 1].copy(), sc[:, 2].copy()),
+        listed=(li[:, 0].copy(), li[:, 1].copy()),
+        buf_node=buf[:, 0].copy(),
+        buf_slot=8 * buf[:, 1],
+        mul=buf[:, 2].copy(),
+        plus=buf[:, 3].copy(),
+        bits=buf[:, 4].copy(),
+        data=buf[:, 5].copy(),
+        validity=(va[:, 0].copy(), va[:, 1].copy()),
+        buf_pos=_ints(node_first)[buf[:, 0]] + buf[:, 1],
+    )
+
+
+_MEMORY32: npt.NDArray[np.int32] = _MEMORY[: _SPAN - _SPAN % 4].view(np.int32)
+_PAD_OBJECTS = np.empty(8, object)
+_PAD_OBJECTS[:] = [bytes(k) for k in range(8)]
+_ZEROS = np.zeros(8, np.int64)
+_ZERO_ADDRESS: int = _ZEROS.ctypes.data
+
+
+@dataclass(slots=True)
+class Flat:
+    """A flattened batch, ready for its Message: field nodes (length, null count), body buffers (padded to
+    8 bytes), the (offset, length) of each IPC buffer, and the body's length."""
+
+    nodes: npt.NDArray[np.int64]
+    body: list[Any]
+    spans: npt.NDArray[np.int64]
+    body_length: int
+
+
+def flatten(batch: pa.RecordBatch, plan: BulkPlan) -> Flat | None:
+    """The nodes and body buffers of ``batch`` (whose schema ``plan`` was made for), or ``None`` where the
+    batch needs the column-by-column walk (sliced arrays, offsets to rebase, unknown null counts)."""
+    root = pa.allocate_buffer(cdata.STRUCT_SIZE)
+    address = root.address
+    batch._export_to_c(address)
+    try:
+        return _flatten(batch, plan, address)
+    finally:
+        cdata._release_now(address)
+
+
+def _flatten(batch: pa.RecordBatch, plan: BulkPlan, root: int) -> Flat | None:
+    structs = np.empty(plan.n_nodes, np.int64)
+    children = int(_MEMORY64[((root - _BASE) >> 3) + _CHILDREN])
+    structs[plan.top] = _read64(children + plan.top_slots)
+    for at, up, slot in plan.levels:
+        structs[at] = _read64(_read64(structs[up] + 8 * _CHILDREN) + slot)
+    fields = _MEMORY64[((structs - _BASE) >> 3)[:, None] + _FIELDS]
+    # Only arrays that start at their buffers' starts (sliced ones take the column walk).
+    if fields[:, 2].any() or fields[:, 1].min() < 0:
+        return None
+    length, nulls, buffers = fields[:, 0], fields[:, 1], fields[:, 3]
+    if len(plan.null_nodes):
+        nulls[plan.null_nodes] = length[plan.null_nodes]
+    last = np.zeros(plan.n_nodes, np.int64)
+    for width, on in plan.offset_nodes:
+        # The data (or child values) a node needs run from its buffer's start to its last offset: a first
+        # offset above 0 leaves unused bytes in front, which readers skip as the offsets say.
+        n = length[on]
+        end = _read64(buffers[on] + 8) + width * n
+        if (end & (width - 1)).any():
+            return None  # unaligned offsets
+        # An empty array may have no offsets at all: read zeros instead.
+        at = np.where(n > 0, end, _ZERO_ADDRESS) - _BASE
+        last[on] = _MEMORY32[at >> 2] if width == 4 else _MEMORY64[at >> 3]
+    # Children must cover exactly what their parents hold (else their null counts are not the exported ones).
+    child, up, scale = plan.scaled
+    if len(child) and (length[child] != length[up] * scale).any():
+        return None
+    child, up = plan.listed
+    if len(child) and (length[child] != last[up]).any():
+        return None
+    node = plan.buf_node
+    n = length[node]
+    size = plan.mul * n + plan.plus * (n > 0) + plan.bits * ((n + 7) >> 3) + plan.data * last[node]
+    vb, vn = plan.validity
+    size[vb] *= nulls[vn] > 0
+    padded = (size + 7) & -8
+    ends = np.cumsum(padded)
+    spans = np.empty((len(size), 2), np.int64)
+    spans[:, 0] = ends - padded
+    spans[:, 1] = size
+    present = np.flatnonzero(size)
+    sizes = size[present]
+    # The batch's own buffers: with every offset 0, each starts where the message's does; those longer than
+    # the message needs are cut.
+    every = batch.to_struct_array().buffers()
+    take = plan.buf_pos[present].tolist()
+    found = itemgetter(*take)(every) if len(take) > 1 else tuple(every[i] for i in take)
+    try:
+        actual = np.fromiter(map(len, found), np.int64, len(found))
+    except TypeError:  # a buffer the sizes say is needed is missing
+        return None
+    body: list[Any] = list(found)
+    cut = np.flatnonzero(actual != sizes)
+    if len(cut):
+        if (actual[cut] < sizes[cut]).any():
+            return None
+        for i, n in zip(cut.tolist(), sizes[cut].tolist(), strict=True):
+            body[i] = body[i].slice(0, n)
+    pad = (-sizes) & 7
+    padded_at = np.flatnonzero(pad)
+    if len(padded_at):
+        # Interleave the zero padding after the buffers that need it.
+        has_pad = pad > 0
+        at = np.arange(len(sizes)) + np.cumsum(has_pad) - has_pad
+        entries = np.empty(len(body) + len(padded_at), object)
+        entries[at] = np.fromiter(body, object, len(body))
+        entries[at[padded_at] + 1] = _PAD_OBJECTS[pad[padded_at]]
+        body = entries.tolist()
+    return Flat(np.stack((length, nulls), axis=1), body, spans, int(ends[-1]) if len(ends) else 0)
