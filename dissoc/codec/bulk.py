@@ -36,16 +36,11 @@ _BASE = 4096  # no object lives in the first page
 _SPAN = (1 << 57) - _BASE  # beyond any user-space address of x86-64 (5-level paging) and aarch64
 _MEMORY: npt.NDArray[np.uint8] = np.frombuffer(pa.foreign_buffer(_BASE, _SPAN), np.uint8)
 _MEMORY64: npt.NDArray[np.int64] = _MEMORY[: _SPAN - _SPAN % 8].view(np.int64)
+_WORD = _BASE >> 3  # _MEMORY64[address // 8 - _WORD] is the int64 at an 8-byte-aligned address
 
 # ArrowArray fields (int64 each): length, null_count, offset, n_buffers, n_children, buffers, children, ...
 _LENGTH, _NULLS, _OFFSET, _BUFFERS, _CHILDREN = 0, 1, 2, 5, 6
 _FIELDS = np.array([_LENGTH, _NULLS, _OFFSET, _BUFFERS], np.int64)
-
-
-
-def _read64(addresses: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    """The int64 values at these 8-byte-aligned addresses."""
-    return _MEMORY64[(addresses - _BASE) >> 3]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +49,9 @@ class BulkPlan:
     the batch is a common case, and per IPC buffer the numbers that give its size from its node's."""
 
     n_nodes: int
-    top_slots: npt.NDArray[np.int64]  # 8 * column index: where each column's struct pointer is
+    top_slots: npt.NDArray[np.int64]  # column index: where each column's struct pointer is
     top: npt.NDArray[np.int64]  # node index of each column
-    # Per level below the columns: (child node indices, parent node indices, 8 * child slots).
+    # Per level below the columns: (child node indices, parent node indices, child slots - _WORD).
     levels: tuple[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]], ...]
     null_nodes: npt.NDArray[np.int64]  # nodes of the null type: their null count is their length
     # Nodes with offsets (binary and list kinds), by offset width: (width, node indices).
@@ -68,7 +63,6 @@ class BulkPlan:
     # Per IPC buffer: node, 8 * C buffer slot, and size = mul * n + plus * (n > 0) + bits * ceil(n / 8)
     # + data * (last offset) for a node of length n.
     buf_node: npt.NDArray[np.int64]
-    buf_slot: npt.NDArray[np.int64]
     mul: npt.NDArray[np.int64]
     plus: npt.NDArray[np.int64]
     bits: npt.NDArray[np.int64]
@@ -103,22 +97,21 @@ def make_plan(columns: list[tuple[int, int, Any, tuple[Any, ...]]], kinds: dict[
     node_first: list[int] = []
     # Position of the next array's buffers in Array.buffers() of the batch as a struct array (the struct's own
     # validity comes first); every layout taken here has one buffer per C buffer, and null arrays one.
-    at = [1]
+    next_pos = [1]
+    own_buffers = {boolean: 2, binary: 3, large_binary: 3, lst: 2, large_list: 2, struct: 1, fixed_list: 1}
 
     def add(plan: tuple[int, int, Any, tuple[Any, ...]], up: int, j: int, d: int) -> bool:
         kind, width, _, children = plan
         i = len(depth)
-        node_first.append(at[0])
+        node_first.append(next_pos[0])
         depth.append(d)
         parent.append(up)
         slot.append(j)
         if kind == null:
             nulls.append(i)
-            at[0] += 1
+            next_pos[0] += 1
             return True
-        at[0] += {boolean: 2, binary: 3, large_binary: 3, lst: 2, large_list: 2, struct: 1, fixed_list: 1}.get(
-            kind, 2
-        )
+        next_pos[0] += own_buffers.get(kind, 2)
         validity.append((len(bufs), i))
         bufs.append((i, 0, 0, 0, 1, 0))
         if kind in (fixed, fixed_bytes):
@@ -151,17 +144,17 @@ def make_plan(columns: list[tuple[int, int, Any, tuple[Any, ...]]], kinds: dict[
         if not add(col, -1, j, 0):
             return None
     depth_arr, parent_arr, slot_arr = _ints(depth), _ints(parent), _ints(slot)
-    levels = []
+    levels: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]] = []
     for d in range(1, int(depth_arr.max(initial=0)) + 1):
         at = np.flatnonzero(depth_arr == d)
-        levels.append((at, parent_arr[at], 8 * slot_arr[at]))
+        levels.append((at, parent_arr[at], slot_arr[at] - _WORD))
     buf = _ints([x for b in bufs for x in b]).reshape(-1, 6)
     sc = _ints([x for t in scaled for x in t]).reshape(-1, 3)
     li = _ints([x for t in listed for x in t]).reshape(-1, 2)
     va = _ints([x for t in validity for x in t]).reshape(-1, 2)
     return BulkPlan(
         n_nodes=len(depth),
-        top_slots=8 * np.arange(len(columns), dtype=np.int64),
+        top_slots=np.arange(len(columns), dtype=np.int64),
         top=np.flatnonzero(depth_arr == 0),
         levels=tuple(levels),
         null_nodes=_ints(nulls),
@@ -169,7 +162,6 @@ def make_plan(columns: list[tuple[int, int, Any, tuple[Any, ...]]], kinds: dict[
         scaled=(sc[:, 0].copy(), sc[:, 1].copy(), sc[:, 2].copy()),
         listed=(li[:, 0].copy(), li[:, 1].copy()),
         buf_node=buf[:, 0].copy(),
-        buf_slot=8 * buf[:, 1],
         mul=buf[:, 2].copy(),
         plus=buf[:, 3].copy(),
         bits=buf[:, 4].copy(),
@@ -210,14 +202,18 @@ def flatten(batch: pa.RecordBatch, plan: BulkPlan) -> Flat | None:
 
 
 def _flatten(batch: pa.RecordBatch, plan: BulkPlan, root: int) -> Flat | None:
-    structs = np.empty(plan.n_nodes, np.int64)
-    children = int(_MEMORY64[((root - _BASE) >> 3) + _CHILDREN])
-    structs[plan.top] = _read64(children + plan.top_slots)
+    # Structs are found by word index into _MEMORY64 (address // 8 - _WORD); exported structs and pointer
+    # arrays are 8-byte aligned.
+    memory = _MEMORY64
+    words = np.empty(plan.n_nodes, np.int64)
+    children = int(memory[(root >> 3) - _WORD + _CHILDREN])
+    words[plan.top] = (memory[(children >> 3) - _WORD + plan.top_slots] >> 3) - _WORD
     for at, up, slot in plan.levels:
-        structs[at] = _read64(_read64(structs[up] + 8 * _CHILDREN) + slot)
-    fields = _MEMORY64[((structs - _BASE) >> 3)[:, None] + _FIELDS]
-    # Only arrays that start at their buffers' starts (sliced ones take the column walk).
-    if fields[:, 2].any() or fields[:, 1].min() < 0:
+        pointers = memory[words[up] + _CHILDREN]
+        words[at] = (memory[(pointers >> 3) + slot] >> 3) - _WORD
+    fields = memory[words[:, None] + _FIELDS]
+    # Only arrays that start at their buffers' starts (sliced ones take the column walk), with null counts.
+    if (fields[:, 2] | (fields[:, 1] >> 63)).any():
         return None
     length, nulls, buffers = fields[:, 0], fields[:, 1], fields[:, 3]
     if len(plan.null_nodes):
@@ -227,12 +223,12 @@ def _flatten(batch: pa.RecordBatch, plan: BulkPlan, root: int) -> Flat | None:
         # The data (or child values) a node needs run from its buffer's start to its last offset: a first
         # offset above 0 leaves unused bytes in front, which readers skip as the offsets say.
         n = length[on]
-        end = _read64(buffers[on] + 8) + width * n
-        if (end & (width - 1)).any():
+        end = memory[(buffers[on] >> 3) - (_WORD - 1)] + width * n  # C buffer 1: the offsets
+        if int(np.bitwise_or.reduce(end)) & (width - 1):
             return None  # unaligned offsets
-        # An empty array may have no offsets at all: read zeros instead.
-        at = np.where(n > 0, end, _ZERO_ADDRESS) - _BASE
-        last[on] = _MEMORY32[at >> 2] if width == 4 else _MEMORY64[at >> 3]
+        if not n.all():  # an empty array may have no offsets at all: read zeros instead
+            end = np.where(n > 0, end, _ZERO_ADDRESS)
+        last[on] = _MEMORY32[(end - _BASE) >> 2] if width == 4 else memory[(end >> 3) - _WORD]
     # Children must cover exactly what their parents hold (else their null counts are not the exported ones).
     child, up, scale = plan.scaled
     if len(child) and (length[child] != length[up] * scale).any():
@@ -271,11 +267,14 @@ def _flatten(batch: pa.RecordBatch, plan: BulkPlan, root: int) -> Flat | None:
     pad = (-sizes) & 7
     padded_at = np.flatnonzero(pad)
     if len(padded_at):
-        # Interleave the zero padding after the buffers that need it.
-        has_pad = pad > 0
-        at = np.arange(len(sizes)) + np.cumsum(has_pad) - has_pad
-        entries = np.empty(len(body) + len(padded_at), object)
-        entries[at] = np.fromiter(body, object, len(body))
-        entries[at[padded_at] + 1] = _PAD_OBJECTS[pad[padded_at]]
+        # Interleave the zero padding after the buffers that need it: the j-th padded buffer's padding goes
+        # to position (its index + j + 1).
+        count = len(body) + len(padded_at)
+        pad_at = padded_at + np.arange(1, len(padded_at) + 1)
+        is_buffer = np.ones(count, bool)
+        is_buffer[pad_at] = False
+        entries = np.empty(count, object)
+        entries[is_buffer] = np.fromiter(body, object, len(body))
+        entries[pad_at] = _PAD_OBJECTS[pad[padded_at]]
         body = entries.tolist()
     return Flat(np.stack((length, nulls), axis=1), body, spans, int(ends[-1]) if len(ends) else 0)

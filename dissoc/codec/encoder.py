@@ -329,6 +329,9 @@ _KINDS: dict[int, int] = {}
 #: not handle are _OTHER and go to :meth:`_Flattener.visit`.
 _Plan = tuple[int, int, tuple[int, ...], tuple["_Plan", ...]]
 
+#: IPC buffers of each flat kind (see MessageEncoder._encode_flat).
+_FLAT_BUFFERS = {_NULL: 0, _FIXED: 2, _BOOL: 2, _BINARY: 3}
+
 #: The kind numbers :mod:`dissoc.codec.bulk` takes, by name.
 _KIND_NAMES = {
     "null": _NULL,
@@ -491,6 +494,14 @@ class MessageEncoder:
             if len(schema) >= BULK_COLUMNS and self.compression is None
             else None
         )
+        # Schemas of only fixed-width, boolean, binary, string and null columns: one loop does everything.
+        flat_kinds = {_NULL: _NULL, _FIXED: _FIXED, _FIXED_BYTES: _FIXED, _BOOL: _BOOL, _BINARY: _BINARY}
+        flat_kinds[_LARGE_BINARY] = _BINARY
+        self._flat: list[tuple[int, int]] | None = None
+        if self.compression is None and all(p[0] in flat_kinds for p in self._plans):
+            self._flat = [(flat_kinds[p[0]], p[1]) for p in self._plans]
+            n_buffers = sum(_FLAT_BUFFERS[k] for k, _ in self._flat)
+            self._flat_template = message_template(HeaderType.RecordBatch, len(self._flat), n_buffers)
 
     def schema_message(self) -> EncodedMessage:
         """The Schema message that starts every stream."""
@@ -511,6 +522,8 @@ class MessageEncoder:
                 template = message_template(HeaderType.RecordBatch, self._bulk.n_nodes, len(flat.spans))
                 meta = template.fill(flat.body_length, batch.num_rows, flat.nodes, flat.spans)
                 return [EncodedMessage(meta, flat.body, flat.body_length, HeaderType.RecordBatch)]
+        if self._flat is not None:
+            return [self._encode_flat(batch, self._flat)]
         fl = _Flattener(self.ids)
         walk = fl.walk
         for column, plan in zip(batch.columns, self._plans, strict=True):
@@ -521,6 +534,104 @@ class MessageEncoder:
             self._dictionary_messages(did, dictionary, path, out, seen)
         out.append(self._message(HeaderType.RecordBatch, batch.num_rows, fl))
         return out
+
+    def _encode_flat(self, batch: pa.RecordBatch, plans: list[tuple[int, int]]) -> EncodedMessage:
+        """The RecordBatch message of a batch of flat columns (fixed width, boolean, binary, null): nodes,
+        spans and body in one pass, buffers used as they are wherever they already hold exactly the bytes."""
+        nodes: list[int] = []
+        spans: list[int] = []
+        body: list[Any] = []
+        add = body.append
+        pads = _PADS
+        pos = 0
+        for arr, (kind, width) in zip(batch.columns, plans, strict=True):
+            n = len(arr)
+            if kind == _NULL:
+                nodes += (n, n)
+                continue
+            off = arr.offset
+            nulls = arr.null_count
+            nodes += (n, nulls)
+            bufs = arr.buffers()
+            if nulls:
+                nb = (n + 7) >> 3
+                v = bufs[0]
+                if off & 7:
+                    v = _bitmap(v, off, n)
+                elif off or v.size != nb:
+                    v = v.slice(off >> 3, nb)
+                spans += (pos, nb)
+                add(v)
+                pad = -nb & 7
+                if pad:
+                    add(pads[pad])
+                pos += nb + pad
+            else:
+                spans += (pos, 0)
+            if kind == _FIXED:
+                nb = n * width
+                if nb:
+                    d = bufs[1]
+                    if off or d.size != nb:
+                        d = d.slice(off * width, nb)
+                    spans += (pos, nb)
+                    add(d)
+                    pad = -nb & 7
+                    if pad:
+                        add(pads[pad])
+                    pos += nb + pad
+                else:
+                    spans += (pos, 0)
+            elif kind == _BINARY:
+                if n == 0:
+                    spans += (pos, 0, pos, 0)
+                    continue
+                o = bufs[1]
+                fmt = _I32 if width == 4 else _I64
+                first = fmt.unpack_from(o, off * width)[0]
+                last = fmt.unpack_from(o, (off + n) * width)[0]
+                nb = (n + 1) * width
+                if first:
+                    o = np.frombuffer(o, "<i4" if width == 4 else "<i8", n + 1, off * width) - first
+                elif off or o.size != nb:
+                    o = o.slice(off * width, nb)
+                spans += (pos, nb)
+                add(o)
+                pad = -nb & 7
+                if pad:
+                    add(pads[pad])
+                pos += nb + pad
+                nb = last - first
+                if nb > 0:
+                    d = bufs[2]
+                    if first or d.size != nb:
+                        d = d.slice(first, nb)
+                    spans += (pos, nb)
+                    add(d)
+                    pad = -nb & 7
+                    if pad:
+                        add(pads[pad])
+                    pos += nb + pad
+                else:
+                    spans += (pos, 0)
+            else:  # _BOOL
+                nb = (n + 7) >> 3
+                if nb:
+                    d = bufs[1]
+                    if off & 7:
+                        d = _bitmap(d, off, n)
+                    elif off or d.size != nb:
+                        d = d.slice(off >> 3, nb)
+                    spans += (pos, nb)
+                    add(d)
+                    pad = -nb & 7
+                    if pad:
+                        add(pads[pad])
+                    pos += nb + pad
+                else:
+                    spans += (pos, 0)
+        meta = self._flat_template.fill(pos, batch.num_rows, nodes, spans)
+        return EncodedMessage(meta, body, pos, HeaderType.RecordBatch)
 
     def _dictionary_messages(
         self, did: int, dictionary: pa.Array, path: tuple[int, ...], out: list[EncodedMessage], seen: set[int]

@@ -287,7 +287,11 @@ class MessageTemplate:
         fields = [(at["body_length"], "q", 1)]
         if dictionary is not None:
             fields += [(at["dictionary"], "q", 1), (at["dictionary"] + 8, "B", 1)]
-        fields += [(at["length"], "q", 1), (at["nodes"], "q", 2 * n_nodes), (at["buffers"], "q", 2 * n_buffers)]
+        fields += [
+            (at["length"], "q", 1),
+            (at["nodes"], "q", 2 * n_nodes),
+            (at["buffers"], "q", 2 * n_buffers),
+        ]
         if n_variadic:
             fields.append((at["variadic"], "q", n_variadic))
         fmt = ["<"]
