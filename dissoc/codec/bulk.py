@@ -213,7 +213,7 @@ def _flatten(batch: pa.RecordBatch, plan: BulkPlan, root: int) -> Flat | None:
         words[at] = (memory[(pointers >> 3) + slot] >> 3) - _WORD
     fields = memory[words[:, None] + _FIELDS]
     # Only arrays that start at their buffers' starts (sliced ones take the column walk), with null counts.
-    if (fields[:, 2] | (fields[:, 1] >> 63)).any():
+    if np.count_nonzero(fields[:, 2] | (fields[:, 1] >> 63)):
         return None
     length, nulls, buffers = fields[:, 0], fields[:, 1], fields[:, 3]
     if len(plan.null_nodes):
@@ -277,4 +277,4 @@ def _flatten(batch: pa.RecordBatch, plan: BulkPlan, root: int) -> Flat | None:
         entries[is_buffer] = np.fromiter(body, object, len(body))
         entries[pad_at] = _PAD_OBJECTS[pad[padded_at]]
         body = entries.tolist()
-    return Flat(np.stack((length, nulls), axis=1), body, spans, int(ends[-1]) if len(ends) else 0)
+    return Flat(fields[:, :2], body, spans, int(ends[-1]) if len(ends) else 0)
