@@ -20,7 +20,7 @@ only ever indexed at addresses that pyarrow just handed out (never iterated, pri
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import itemgetter
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -69,8 +69,7 @@ class BulkPlan:
     data: npt.NDArray[np.int64]
     # Validity buffers (empty without nulls): buffer indices and their nodes.
     validity: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
-    # Per IPC buffer: its index in ``batch.to_struct_array().buffers()`` (every array's buffers, depth first).
-    buf_pos: npt.NDArray[np.int64]
+    buf_slot: npt.NDArray[np.int64]  # per IPC buffer: its C buffer slot - _WORD
 
 
 def _ints(values: list[int]) -> npt.NDArray[np.int64]:
@@ -94,24 +93,16 @@ def make_plan(columns: list[tuple[int, int, Any, tuple[Any, ...]]], kinds: dict[
     # node, C slot, mul, plus, bits, data
     bufs: list[tuple[int, int, int, int, int, int]] = []
     validity: list[tuple[int, int]] = []
-    node_first: list[int] = []
-    # Position of the next array's buffers in Array.buffers() of the batch as a struct array (the struct's own
-    # validity comes first); every layout taken here has one buffer per C buffer, and null arrays one.
-    next_pos = [1]
-    own_buffers = {boolean: 2, binary: 3, large_binary: 3, lst: 2, large_list: 2, struct: 1, fixed_list: 1}
 
     def add(plan: tuple[int, int, Any, tuple[Any, ...]], up: int, j: int, d: int) -> bool:
         kind, width, _, children = plan
         i = len(depth)
-        node_first.append(next_pos[0])
         depth.append(d)
         parent.append(up)
         slot.append(j)
         if kind == null:
             nulls.append(i)
-            next_pos[0] += 1
             return True
-        next_pos[0] += own_buffers.get(kind, 2)
         validity.append((len(bufs), i))
         bufs.append((i, 0, 0, 0, 1, 0))
         if kind in (fixed, fixed_bytes):
@@ -167,7 +158,7 @@ def make_plan(columns: list[tuple[int, int, Any, tuple[Any, ...]]], kinds: dict[
         bits=buf[:, 4].copy(),
         data=buf[:, 5].copy(),
         validity=(va[:, 0].copy(), va[:, 1].copy()),
-        buf_pos=_ints(node_first)[buf[:, 0]] + buf[:, 1],
+        buf_slot=buf[:, 1] - _WORD,
     )
 
 
@@ -248,22 +239,12 @@ def _flatten(batch: pa.RecordBatch, plan: BulkPlan, root: int) -> Flat | None:
     spans[:, 1] = size
     present = np.flatnonzero(size)
     sizes = size[present]
-    # The batch's own buffers: with every offset 0, each starts where the message's does; those longer than
-    # the message needs are cut.
-    every = batch.to_struct_array().buffers()
-    take = plan.buf_pos[present].tolist()
-    found = itemgetter(*take)(every) if len(take) > 1 else tuple(every[i] for i in take)
-    try:
-        actual = np.fromiter(map(len, found), np.int64, len(found))
-    except TypeError:  # a buffer the sizes say is needed is missing
-        return None
-    body: list[Any] = list(found)
-    cut = np.flatnonzero(actual != sizes)
-    if len(cut):
-        if (actual[cut] < sizes[cut]).any():
-            return None
-        for i, n in zip(cut.tolist(), sizes[cut].tolist(), strict=True):
-            body[i] = body[i].slice(0, n)
+    # Views of the batch's own memory (it is their base): with every offset 0, each buffer starts where the
+    # array's does, and holds exactly the bytes the message needs.
+    pointers = memory[(buffers[node[present]] >> 3) + plan.buf_slot[present]]
+    body: list[Any] = list(
+        map(pa.foreign_buffer, pointers.tolist(), sizes.tolist(), repeat(batch, len(sizes)))
+    )
     pad = (-sizes) & 7
     padded_at = np.flatnonzero(pad)
     if len(padded_at):

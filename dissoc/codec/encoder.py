@@ -538,15 +538,18 @@ class MessageEncoder:
     def _encode_flat(self, batch: pa.RecordBatch, plans: list[tuple[int, int]]) -> EncodedMessage:
         """The RecordBatch message of a batch of flat columns (fixed width, boolean, binary, null): nodes,
         spans and body in one pass, buffers used as they are wherever they already hold exactly the bytes."""
+        n = batch.num_rows  # every column's length
+        bitmap = (n + 7) >> 3  # bytes of a bitmap of n bits, and the padding after it
+        bitmap_pad = -bitmap & 7
         nodes: list[int] = []
         spans: list[int] = []
         body: list[Any] = []
         add = body.append
         pads = _PADS
         pos = 0
-        for arr, (kind, width) in zip(batch.columns, plans, strict=True):
-            n = len(arr)
-            if kind == _NULL:
+        null_kind, fixed_kind, binary_kind = _NULL, _FIXED, _BINARY
+        for arr, (kind, width) in zip(batch.columns, plans, strict=False):
+            if kind == null_kind:
                 nodes += (n, n)
                 continue
             off = arr.offset
@@ -554,21 +557,19 @@ class MessageEncoder:
             nodes += (n, nulls)
             bufs = arr.buffers()
             if nulls:
-                nb = (n + 7) >> 3
                 v = bufs[0]
                 if off & 7:
                     v = _bitmap(v, off, n)
-                elif off or v.size != nb:
-                    v = v.slice(off >> 3, nb)
-                spans += (pos, nb)
+                elif off or v.size != bitmap:
+                    v = v.slice(off >> 3, bitmap)
+                spans += (pos, bitmap)
                 add(v)
-                pad = -nb & 7
-                if pad:
-                    add(pads[pad])
-                pos += nb + pad
+                if bitmap_pad:
+                    add(pads[bitmap_pad])
+                pos += bitmap + bitmap_pad
             else:
                 spans += (pos, 0)
-            if kind == _FIXED:
+            if kind == fixed_kind:
                 nb = n * width
                 if nb:
                     d = bufs[1]
@@ -582,7 +583,7 @@ class MessageEncoder:
                     pos += nb + pad
                 else:
                     spans += (pos, 0)
-            elif kind == _BINARY:
+            elif kind == binary_kind:
                 if n == 0:
                     spans += (pos, 0, pos, 0)
                     continue
@@ -614,24 +615,22 @@ class MessageEncoder:
                     pos += nb + pad
                 else:
                     spans += (pos, 0)
-            else:  # _BOOL
-                nb = (n + 7) >> 3
-                if nb:
-                    d = bufs[1]
-                    if off & 7:
-                        d = _bitmap(d, off, n)
-                    elif off or d.size != nb:
-                        d = d.slice(off >> 3, nb)
-                    spans += (pos, nb)
-                    add(d)
-                    pad = -nb & 7
-                    if pad:
-                        add(pads[pad])
-                    pos += nb + pad
-                else:
-                    spans += (pos, 0)
-        meta = self._flat_template.fill(pos, batch.num_rows, nodes, spans)
-        return EncodedMessage(meta, body, pos, HeaderType.RecordBatch)
+            elif bitmap:  # boolean values: a bitmap
+                d = bufs[1]
+                if off & 7:
+                    d = _bitmap(d, off, n)
+                elif off or d.size != bitmap:
+                    d = d.slice(off >> 3, bitmap)
+                spans += (pos, bitmap)
+                add(d)
+                if bitmap_pad:
+                    add(pads[bitmap_pad])
+                pos += bitmap + bitmap_pad
+            else:
+                spans += (pos, 0)
+        return EncodedMessage(
+            self._flat_template.fill(pos, n, nodes, spans), body, pos, HeaderType.RecordBatch
+        )
 
     def _dictionary_messages(
         self, did: int, dictionary: pa.Array, path: tuple[int, ...], out: list[EncodedMessage], seen: set[int]

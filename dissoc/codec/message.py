@@ -322,11 +322,26 @@ class MessageTemplate:
         """The Message with these numbers: ``nodes`` and ``buffers`` flat (length, null count, length, ...)
         and (offset, length, offset, ...) (or int64 arrays of shape (n, 2)); ``variadic_counts`` as many as
         the template has; ``dictionary`` (id, is delta) for a DictionaryBatch."""
+        c = self._chunks
+        if self._plain and not isinstance(nodes, list) and not isinstance(buffers, list):
+            # Arrays (wide batches): their bytes as they are, between the constant chunks.
+            return b"".join(
+                (
+                    c[0],
+                    _I64.pack(body_length),
+                    c[1],
+                    _I64.pack(length),
+                    c[2],
+                    np.ascontiguousarray(nodes, "<i8").tobytes(),
+                    c[3],
+                    np.ascontiguousarray(buffers, "<i8").tobytes(),
+                    c[4],
+                )
+            )
         if not isinstance(nodes, list):
             nodes = nodes.ravel().tolist()
         if not isinstance(buffers, list):
             buffers = buffers.ravel().tolist()
-        c = self._chunks
         if self._plain:
             return self._struct.pack(c[0], body_length, c[1], length, c[2], *nodes, c[3], *buffers, c[4])
         args: list[object] = [c[0], body_length]
