@@ -29,6 +29,14 @@ from .util import assert_batch_equal, pa_read_stream
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.fixture(autouse=True, params=[8, 10**9], ids=["bulk-from-8", "no-bulk"])
+def bulk_columns(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Batches from 8 columns take the bulk walk (as from ``encoder.BULK_COLUMNS`` in use), or none does."""
+    value: int = request.param
+    monkeypatch.setattr(encoder, "BULK_COLUMNS", value)
+    return value
+
+
 def general_encoder(schema: pa.Schema) -> codec.MessageEncoder:
     """An encoder that takes none of the fast paths: every column goes to ``_Flattener.visit``."""
     enc = codec.MessageEncoder(schema)
@@ -171,11 +179,15 @@ def test_slices_match_the_general_walk(names: list[str], start: int, length: int
     check_batch(batch_of(names, 1000).slice(start, length))
 
 
-def test_paths_taken() -> None:
+def test_paths_taken(bulk_columns: int) -> None:
     """The batches above do exercise each path (bulk: wide and unsliced; flat: flat columns only)."""
     wide = batch_of(FLAT + NESTED, 100)
     enc = codec.MessageEncoder(wide.schema)
-    assert enc._bulk is not None and enc._flat is None
+    assert enc._flat is None
+    if bulk_columns > len(wide.schema):
+        assert enc._bulk is None
+        return
+    assert enc._bulk is not None
     assert bulk.flatten(wide, enc._bulk) is not None
     assert bulk.flatten(wide.slice(1, 50), enc._bulk) is None  # sliced: the column walk
     assert bulk.flatten(wide.slice(0, 50), enc._bulk) is None  # children longer than their parents
@@ -267,7 +279,7 @@ def test_buffers_longer_than_needed_are_cut() -> None:
 
 @st.composite
 def wide_cases(draw: st.DrawFn) -> tuple[pa.Schema, list[pa.RecordBatch]]:
-    fields = draw(st.lists(S.fields_of(S.data_types(2)), min_size=encoder.BULK_COLUMNS, max_size=12))
+    fields = draw(st.lists(S.fields_of(S.data_types(2)), min_size=8, max_size=12))
     schema = pa.schema(fields)
     whole = draw(S.record_batches(schema))
     cuts = sorted(draw(st.lists(st.integers(0, whole.num_rows), max_size=2)))
@@ -312,7 +324,7 @@ def bulk_types() -> st.SearchStrategy[pa.DataType]:
 @st.composite
 def bulk_cases(draw: st.DrawFn) -> tuple[pa.Schema, list[pa.RecordBatch]]:
     """Wide batches of only the layouts the bulk walk takes: unsliced, as generated, and sliced."""
-    types = draw(st.lists(bulk_types(), min_size=encoder.BULK_COLUMNS, max_size=10))
+    types = draw(st.lists(bulk_types(), min_size=8, max_size=10))
     fields = [
         pa.field(f"c{i}", t, nullable=pa.types.is_null(t) or draw(st.booleans())) for i, t in enumerate(types)
     ]
@@ -330,7 +342,7 @@ def bulk_cases(draw: st.DrawFn) -> tuple[pa.Schema, list[pa.RecordBatch]]:
 def test_generated_bulk_batches(case: tuple[pa.Schema, list[pa.RecordBatch]]) -> None:
     schema, batches = case
     c = Checker(schema)
-    assert c.enc._bulk is not None
+    assert (c.enc._bulk is not None) == (len(schema) >= encoder.BULK_COLUMNS)
     for i, b in enumerate(batches):
         # The first comes from pyarrow's IPC reader: offsets from 0, the very same bytes as the general walk.
         c.check(b, identical=i == 0)
