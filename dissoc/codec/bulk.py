@@ -188,14 +188,43 @@ def flatten(batch: pa.RecordBatch, plan: BulkPlan) -> Flat | None:
     address = root.address
     batch._export_to_c(address)
     try:
-        return _flatten(batch, plan, address)
+        numbers = _flatten(plan, address)
     except IndexError:  # an address outside _MEMORY (not seen on any platform): take the column walk
         return None
     finally:
-        cdata._release_now(address)
+        cdata._release_now(address)  # the numbers are read: the export can go before the body is made
+    if numbers is None:
+        return None
+    nodes, spans, pointers, sizes, body_length = numbers
+    # Views of the batch's own memory (it is their base): with every offset 0, each buffer starts where the
+    # array's does, and holds exactly the bytes the message needs.
+    views = map(pa.foreign_buffer, pointers.tolist(), sizes.tolist(), repeat(batch, len(sizes)))
+    pad = (-sizes) & 7
+    padded_at = np.flatnonzero(pad)
+    if len(padded_at) == 0:
+        body: list[Any] = list(views)
+    else:
+        # Interleave the zero padding after the buffers that need it: the j-th padded buffer's padding goes
+        # to position (its index + j + 1).
+        count = len(sizes) + len(padded_at)
+        pad_at = padded_at + np.arange(1, len(padded_at) + 1)
+        is_buffer = np.ones(count, bool)
+        is_buffer[pad_at] = False
+        entries = np.empty(count, object)
+        entries[is_buffer] = np.fromiter(views, object, len(sizes))
+        entries[pad_at] = _PAD_OBJECTS[pad[padded_at]]
+        body = entries.tolist()
+    return Flat(nodes, body, spans, body_length)
 
 
-def _flatten(batch: pa.RecordBatch, plan: BulkPlan, root: int) -> Flat | None:
+# nodes, spans, addresses and sizes of the body's buffers, body length
+_Numbers = tuple[
+    npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], int
+]
+
+
+def _flatten(plan: BulkPlan, root: int) -> _Numbers | None:
+    """From the export at ``root``: nodes, spans, and the address and size of each buffer the body holds."""
     # Structs are found by word index into _MEMORY64 (address // 8 - _WORD); exported structs and pointer
     # arrays are 8-byte aligned.
     memory = _MEMORY64
@@ -241,24 +270,5 @@ def _flatten(batch: pa.RecordBatch, plan: BulkPlan, root: int) -> Flat | None:
     spans[:, 0] = ends - padded
     spans[:, 1] = size
     present = np.flatnonzero(size)
-    sizes = size[present]
-    # Views of the batch's own memory (it is their base): with every offset 0, each buffer starts where the
-    # array's does, and holds exactly the bytes the message needs.
     pointers = memory[(buffers[node[present]] >> 3) + plan.buf_slot[present]]
-    body: list[Any] = list(
-        map(pa.foreign_buffer, pointers.tolist(), sizes.tolist(), repeat(batch, len(sizes)))
-    )
-    pad = (-sizes) & 7
-    padded_at = np.flatnonzero(pad)
-    if len(padded_at):
-        # Interleave the zero padding after the buffers that need it: the j-th padded buffer's padding goes
-        # to position (its index + j + 1).
-        count = len(body) + len(padded_at)
-        pad_at = padded_at + np.arange(1, len(padded_at) + 1)
-        is_buffer = np.ones(count, bool)
-        is_buffer[pad_at] = False
-        entries = np.empty(count, object)
-        entries[is_buffer] = np.fromiter(body, object, len(body))
-        entries[pad_at] = _PAD_OBJECTS[pad[padded_at]]
-        body = entries.tolist()
-    return Flat(fields[:, :2], body, spans, int(ends[-1]) if len(ends) else 0)
+    return fields[:, :2], spans, pointers, size[present], int(ends[-1]) if len(ends) else 0
