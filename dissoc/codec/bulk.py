@@ -50,7 +50,7 @@ class BulkPlan:
     the batch is a common case, and per IPC buffer the numbers that give its size from its node's."""
 
     n_nodes: int
-    top_slots: npt.NDArray[np.int64]  # column index: where each column's struct pointer is
+    top_slots: npt.NDArray[np.int64]  # column index - _WORD: where each column's struct pointer is
     top: npt.NDArray[np.int64]  # node index of each column
     # Per level below the columns: (child node indices, parent node indices, child slots - _WORD).
     levels: tuple[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]], ...]
@@ -146,7 +146,7 @@ def make_plan(columns: list[tuple[int, int, Any, tuple[Any, ...]]], kinds: dict[
     va = _ints([x for t in validity for x in t]).reshape(-1, 2)
     return BulkPlan(
         n_nodes=len(depth),
-        top_slots=np.arange(len(columns), dtype=np.int64),
+        top_slots=np.arange(len(columns), dtype=np.int64) - _WORD,
         top=np.flatnonzero(depth_arr == 0),
         levels=tuple(levels),
         null_nodes=_ints(nulls),
@@ -225,20 +225,21 @@ _Numbers = tuple[
 
 def _flatten(plan: BulkPlan, root: int) -> _Numbers | None:
     """From the export at ``root``: nodes, spans, and the address and size of each buffer the body holds."""
-    # Structs are found by word index into _MEMORY64 (address // 8 - _WORD); exported structs and pointer
-    # arrays are 8-byte aligned.
+    # Exported structs and pointer arrays are 8-byte aligned: they are found by their addresses // 8
+    # ("words"), with the _WORD that _MEMORY64's indices are off by folded into the constants added to them.
     memory = _MEMORY64
     words = np.empty(plan.n_nodes, np.int64)
     children = int(memory[(root >> 3) - _WORD + _CHILDREN])
-    words[plan.top] = (memory[(children >> 3) - _WORD + plan.top_slots] >> 3) - _WORD
+    words[plan.top] = memory[(children >> 3) + plan.top_slots] >> 3
     for at, up, slot in plan.levels:
-        pointers = memory[words[up] + _CHILDREN]
-        words[at] = (memory[(pointers >> 3) + slot] >> 3) - _WORD
-    fields = memory[words[:, None] + _FIELDS]
+        pointers = memory[words[up] + (_CHILDREN - _WORD)]
+        words[at] = memory[(pointers >> 3) + slot] >> 3
+    fields = memory[words[:, None] + (_FIELDS - _WORD)]
     # Only arrays that start at their buffers' starts (sliced ones take the column walk), with null counts.
     if np.count_nonzero(fields[:, 2] | (fields[:, 1] >> 63)):
         return None
-    length, nulls, buffers = fields[:, 0], fields[:, 1], fields[:, 3]
+    length, nulls = fields[:, 0], fields[:, 1]
+    buffers = fields[:, 3] >> 3  # the words of each node's array of buffer pointers
     if len(plan.null_nodes):
         nulls[plan.null_nodes] = length[plan.null_nodes]
     last = np.zeros(plan.n_nodes, np.int64)
@@ -246,12 +247,14 @@ def _flatten(plan: BulkPlan, root: int) -> _Numbers | None:
         # The data (or child values) a node needs run from its buffer's start to its last offset: a first
         # offset above 0 leaves unused bytes in front, which readers skip as the offsets say.
         n = length[on]
-        end = memory[(buffers[on] >> 3) - (_WORD - 1)] + width * n  # C buffer 1: the offsets
-        if int(np.bitwise_or.reduce(end)) & (width - 1):
+        start = memory[buffers[on] + (1 - _WORD)]  # C buffer 1: the offsets
+        if int(np.bitwise_or.reduce(start)) & (width - 1):
             return None  # unaligned offsets
+        shift = 2 if width == 4 else 3
+        at = (start >> shift) + n - (_BASE >> shift)
         if not n.all():  # an empty array may have no offsets at all: read zeros instead
-            end = np.where(n > 0, end, _ZERO_ADDRESS)
-        last[on] = _MEMORY32[(end - _BASE) >> 2] if width == 4 else memory[(end >> 3) - _WORD]
+            at = np.where(n > 0, at, (_ZERO_ADDRESS - _BASE) >> shift)
+        last[on] = _MEMORY32[at] if width == 4 else memory[at]
     # Children must cover exactly what their parents hold (else their null counts are not the exported ones).
     child, up, scale = plan.scaled
     if len(child) and (length[child] != length[up] * scale).any():
@@ -270,5 +273,5 @@ def _flatten(plan: BulkPlan, root: int) -> _Numbers | None:
     spans[:, 0] = ends - padded
     spans[:, 1] = size
     present = np.flatnonzero(size)
-    pointers = memory[(buffers[node[present]] >> 3) + plan.buf_slot[present]]
+    pointers = memory[buffers[node[present]] + plan.buf_slot[present]]
     return fields[:, :2], spans, pointers, size[present], int(ends[-1]) if len(ends) else 0
