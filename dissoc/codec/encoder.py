@@ -544,17 +544,19 @@ class MessageEncoder:
         nodes: list[int] = []
         spans: list[int] = []
         body: list[Any] = []
-        add = body.append
+        add, span, node = body.append, spans.append, nodes.append
         pads = _PADS
         pos = 0
         null_kind, fixed_kind, binary_kind = _NULL, _FIXED, _BINARY
         for arr, (kind, width) in zip(batch.columns, plans, strict=False):
             if kind == null_kind:
-                nodes += (n, n)
+                node(n)
+                node(n)
                 continue
             off = arr.offset
             nulls = arr.null_count
-            nodes += (n, nulls)
+            node(n)
+            node(nulls)
             bufs = arr.buffers()
             if nulls:
                 v = bufs[0]
@@ -562,30 +564,37 @@ class MessageEncoder:
                     v = _bitmap(v, off, n)
                 elif off or v.size != bitmap:
                     v = v.slice(off >> 3, bitmap)
-                spans += (pos, bitmap)
+                span(pos)
+                span(bitmap)
                 add(v)
                 if bitmap_pad:
                     add(pads[bitmap_pad])
                 pos += bitmap + bitmap_pad
             else:
-                spans += (pos, 0)
+                span(pos)
+                span(0)
             if kind == fixed_kind:
                 nb = n * width
                 if nb:
                     d = bufs[1]
                     if off or d.size != nb:
                         d = d.slice(off * width, nb)
-                    spans += (pos, nb)
+                    span(pos)
+                    span(nb)
                     add(d)
                     pad = -nb & 7
                     if pad:
                         add(pads[pad])
                     pos += nb + pad
                 else:
-                    spans += (pos, 0)
+                    span(pos)
+                    span(0)
             elif kind == binary_kind:
                 if n == 0:
-                    spans += (pos, 0, pos, 0)
+                    span(pos)
+                    span(0)
+                    span(pos)
+                    span(0)
                     continue
                 o = bufs[1]
                 fmt = _I32 if width == 4 else _I64
@@ -596,7 +605,8 @@ class MessageEncoder:
                     o = np.frombuffer(o, "<i4" if width == 4 else "<i8", n + 1, off * width) - first
                 elif off or o.size != nb:
                     o = o.slice(off * width, nb)
-                spans += (pos, nb)
+                span(pos)
+                span(nb)
                 add(o)
                 pad = -nb & 7
                 if pad:
@@ -607,27 +617,31 @@ class MessageEncoder:
                     d = bufs[2]
                     if first or d.size != nb:
                         d = d.slice(first, nb)
-                    spans += (pos, nb)
+                    span(pos)
+                    span(nb)
                     add(d)
                     pad = -nb & 7
                     if pad:
                         add(pads[pad])
                     pos += nb + pad
                 else:
-                    spans += (pos, 0)
+                    span(pos)
+                    span(0)
             elif bitmap:  # boolean values: a bitmap
                 d = bufs[1]
                 if off & 7:
                     d = _bitmap(d, off, n)
                 elif off or d.size != bitmap:
                     d = d.slice(off >> 3, bitmap)
-                spans += (pos, bitmap)
+                span(pos)
+                span(bitmap)
                 add(d)
                 if bitmap_pad:
                     add(pads[bitmap_pad])
                 pos += bitmap + bitmap_pad
             else:
-                spans += (pos, 0)
+                span(pos)
+                span(0)
         return EncodedMessage(
             self._flat_template.fill(pos, n, nodes, spans), body, pos, HeaderType.RecordBatch
         )
