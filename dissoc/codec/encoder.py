@@ -541,6 +541,7 @@ class MessageEncoder:
         n = batch.num_rows  # every column's length
         bitmap = (n + 7) >> 3  # bytes of a bitmap of n bits, and the padding after it
         bitmap_pad = -bitmap & 7
+        bitmap_padded = bitmap + bitmap_pad
         nodes: list[int] = []
         spans: list[int] = []
         body: list[Any] = []
@@ -560,16 +561,16 @@ class MessageEncoder:
             bufs = arr.buffers()
             if nulls:
                 v = bufs[0]
-                if off & 7:
-                    v = _bitmap(v, off, n)
-                elif off or v.size != bitmap:
-                    v = v.slice(off >> 3, bitmap)
+                if off:
+                    v = _bitmap(v, off, n) if off & 7 else v.slice(off >> 3, bitmap)
+                elif v.size != bitmap:
+                    v = v.slice(0, bitmap)
                 span(pos)
                 span(bitmap)
                 add(v)
                 if bitmap_pad:
                     add(pads[bitmap_pad])
-                pos += bitmap + bitmap_pad
+                pos += bitmap_padded
             else:
                 span(pos)
                 span(0)
@@ -629,16 +630,16 @@ class MessageEncoder:
                     span(0)
             elif bitmap:  # boolean values: a bitmap
                 d = bufs[1]
-                if off & 7:
-                    d = _bitmap(d, off, n)
-                elif off or d.size != bitmap:
-                    d = d.slice(off >> 3, bitmap)
+                if off:
+                    d = _bitmap(d, off, n) if off & 7 else d.slice(off >> 3, bitmap)
+                elif d.size != bitmap:
+                    d = d.slice(0, bitmap)
                 span(pos)
                 span(bitmap)
                 add(d)
                 if bitmap_pad:
                     add(pads[bitmap_pad])
-                pos += bitmap + bitmap_pad
+                pos += bitmap_padded
             else:
                 span(pos)
                 span(0)
