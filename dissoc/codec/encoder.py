@@ -3,6 +3,13 @@
 The body buffers point at the batch's own memory (no copy) wherever the Arrow layout allows; only sliced
 arrays whose bitmaps start mid-byte, rebased offsets and run-end slices are rewritten. Buffers are padded to
 8-byte boundaries with shared zero padding.
+
+Per message the work is kept to what differs between batches of one schema. The Message flatbuffer comes from
+a per-shape template (:func:`dissoc.codec.message.message_template`) filled with the numbers. The columns
+are walked in one of three ways, chosen per schema: schemas of flat columns (fixed width, boolean, binary,
+null) in one loop that builds nodes, spans and body together; wide batches of plain layouts in bulk through
+one C Data export (:mod:`dissoc.codec.bulk`); everything else by a walk driven by per-column plans, which
+hands what it does not know (dictionaries, views, unions, run ends, extensions) to the general visitor.
 """
 
 from __future__ import annotations
