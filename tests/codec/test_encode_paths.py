@@ -34,6 +34,7 @@ def bulk_columns(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     """Batches from 8 columns take the bulk walk (as from ``encoder.BULK_COLUMNS`` in use), or none does."""
     value: int = request.param
     monkeypatch.setattr(encoder, "BULK_COLUMNS", value)
+    monkeypatch.setattr(encoder, "BULK_FLAT_COLUMNS", value)
     return value
 
 
