@@ -605,13 +605,21 @@ class MessageEncoder:
                     continue
                 o = bufs[1]
                 fmt = _I32 if width == 4 else _I64
-                first = fmt.unpack_from(o, off * width)[0]
                 last = fmt.unpack_from(o, (off + n) * width)[0]
                 nb = (n + 1) * width
-                if first:
-                    o = np.frombuffer(o, "<i4" if width == 4 else "<i8", n + 1, off * width) - first
-                elif off or o.size != nb:
-                    o = o.slice(off * width, nb)
+                if off:
+                    # A slice: offsets rebased to start at 0 (a copy), data from the first offset on.
+                    first = fmt.unpack_from(o, off * width)[0]
+                    if first:
+                        o = np.frombuffer(o, "<i4" if width == 4 else "<i8", n + 1, off * width) - first
+                    else:
+                        o = o.slice(off * width, nb)
+                else:
+                    # Unsliced: the offsets as they are, the data from the buffer's start (a first offset
+                    # above 0 leaves bytes in front that readers skip).
+                    first = 0
+                    if o.size != nb:
+                        o = o.slice(0, nb)
                 span(pos)
                 span(nb)
                 add(o)
