@@ -20,10 +20,12 @@ from dissoc.errors import CodecError
 __all__ = [
     "HeaderType",
     "MessageInfo",
+    "MessageTemplate",
     "ParsedMessage",
     "RecordBatchHeader",
     "encode_dictionary_batch",
     "encode_record_batch",
+    "message_template",
     "has_body",
     "parse",
     "parse_message",
@@ -257,6 +259,123 @@ class _Layout:
         return at
 
 
+class MessageTemplate:
+    """A RecordBatch (or DictionaryBatch) Message laid out once, whose numbers are filled in per message.
+
+    Messages of one shape (header type, node count, buffer count, compression, variadic count) differ only in
+    scalars and in the contents of their struct vectors, so :func:`_message_bytes` lays the shape out once
+    with every field written (none is left to a default), and :meth:`fill` packs the bytes between the
+    numbers as constants and the numbers of one message with a single ``struct.pack``.
+    """
+
+    __slots__ = ("_chunks", "_dictionary", "_plain", "_struct")
+
+    def __init__(
+        self,
+        header_type: int,
+        n_nodes: int,
+        n_buffers: int,
+        compression: int | None,
+        n_variadic: int,
+    ) -> None:
+        dictionary = (0, False) if header_type == HeaderType.DictionaryBatch else None
+        zeros = np.zeros((n_nodes, 2), np.int64)
+        spans = np.zeros((n_buffers, 2), np.int64)
+        variadic = [0] * n_variadic or None
+        at: dict[str, int] = {}
+        data = _message_bytes(header_type, 0, 0, zeros, spans, compression, variadic, dictionary, at)
+        fields = [(at["body_length"], "q", 1)]
+        if dictionary is not None:
+            fields += [(at["dictionary"], "q", 1), (at["dictionary"] + 8, "B", 1)]
+        fields += [
+            (at["length"], "q", 1),
+            (at["nodes"], "q", 2 * n_nodes),
+            (at["buffers"], "q", 2 * n_buffers),
+        ]
+        if n_variadic:
+            fields.append((at["variadic"], "q", n_variadic))
+        fmt = ["<"]
+        chunks = []
+        prev = 0
+        for pos, code, count in fields:
+            if pos < prev:  # pragma: no cover - _message_bytes lays the numbers out in this order
+                raise AssertionError("message template fields out of order")
+            fmt.append(f"{pos - prev}s{count}{code}")
+            chunks.append(data[prev:pos])
+            prev = pos + count * struct.calcsize(code)
+        fmt.append(f"{len(data) - prev}s")
+        chunks.append(data[prev:])
+        self._struct = struct.Struct("".join(fmt))
+        self._chunks = tuple(chunks)
+        self._dictionary = dictionary is not None
+        self._plain = dictionary is None and not n_variadic
+
+    def fill(
+        self,
+        body_length: int,
+        length: int,
+        nodes: list[int] | npt.NDArray[np.int64],
+        buffers: list[int] | npt.NDArray[np.int64],
+        variadic_counts: list[int] | None = None,
+        dictionary: tuple[int, bool] | None = None,
+    ) -> bytes:
+        """The Message with these numbers: ``nodes`` and ``buffers`` flat (length, null count, length, ...)
+        and (offset, length, offset, ...) (or int64 arrays of shape (n, 2)); ``variadic_counts`` as many as
+        the template has; ``dictionary`` (id, is delta) for a DictionaryBatch."""
+        c = self._chunks
+        if self._plain and not isinstance(nodes, list) and not isinstance(buffers, list):
+            # Arrays (wide batches): their bytes as they are, between the constant chunks.
+            return b"".join(
+                (
+                    c[0],
+                    _I64.pack(body_length),
+                    c[1],
+                    _I64.pack(length),
+                    c[2],
+                    np.ascontiguousarray(nodes, "<i8").tobytes(),
+                    c[3],
+                    np.ascontiguousarray(buffers, "<i8").tobytes(),
+                    c[4],
+                )
+            )
+        if not isinstance(nodes, list):
+            nodes = nodes.ravel().tolist()
+        if not isinstance(buffers, list):
+            buffers = buffers.ravel().tolist()
+        if self._plain:
+            return self._struct.pack(c[0], body_length, c[1], length, c[2], *nodes, c[3], *buffers, c[4])
+        args: list[object] = [c[0], body_length]
+        i = 1
+        if self._dictionary:
+            if dictionary is None:
+                raise ValueError("a DictionaryBatch message needs its dictionary (id, is delta)")
+            args += [c[1], dictionary[0], c[2], 1 if dictionary[1] else 0]
+            i = 3
+        args += [c[i], length, c[i + 1], *nodes, c[i + 2], *buffers]
+        i += 3
+        if variadic_counts:
+            args += [c[i], *variadic_counts]
+            i += 1
+        args.append(c[i])
+        return self._struct.pack(*args)
+
+
+_TEMPLATES: dict[tuple[int, int, int, int | None, int], MessageTemplate] = {}
+
+
+def message_template(
+    header_type: int, n_nodes: int, n_buffers: int, compression: int | None = None, n_variadic: int = 0
+) -> MessageTemplate:
+    """The (cached) :class:`MessageTemplate` of one message shape."""
+    key = (header_type, n_nodes, n_buffers, compression, n_variadic)
+    t = _TEMPLATES.get(key)
+    if t is None:
+        if len(_TEMPLATES) >= 4096:
+            _TEMPLATES.clear()
+        t = _TEMPLATES[key] = MessageTemplate(header_type, n_nodes, n_buffers, compression, n_variadic)
+    return t
+
+
 def _message_bytes(
     header_type: int,
     body_length: int,
@@ -266,8 +385,14 @@ def _message_bytes(
     compression: int | None,
     variadic_counts: list[int] | None,
     dictionary: tuple[int, bool] | None = None,
+    positions: dict[str, int] | None = None,
 ) -> bytes:
-    """A Message around a RecordBatch (or a DictionaryBatch holding one), laid out directly."""
+    """A Message around a RecordBatch (or a DictionaryBatch holding one), laid out directly.
+
+    Every field is written, defaults included; ``positions`` (when given) receives where the numbers went
+    (``body_length``, ``length``, ``nodes``, ``buffers`` and, where present, ``variadic``, ``dictionary``).
+    """
+    where: dict[str, int] = {} if positions is None else positions
     node_bytes = np.ascontiguousarray(nodes, "<i8").tobytes()
     buffer_bytes = np.ascontiguousarray(buffers, "<i8").tobytes()
     variadic = np.asarray(variadic_counts or [], "<i8").tobytes()
@@ -277,6 +402,7 @@ def _message_bytes(
     message = out.table(out.vtable(20, [16, 18, 4, 8]), 20)
     out.link(0, message)
     _I64.pack_into(out.buf, message + 8, body_length)
+    where["body_length"] = message + 8
     struct.pack_into("<hB", out.buf, message + 16, METADATA_V5, header_type)
     if dictionary is not None:
         # DictionaryBatch: data (uoffset) at 4, id at 8, isDelta at 16.
@@ -284,6 +410,7 @@ def _message_bytes(
         header = out.table(out.vtable(24, [8, 4, 16]), 24)
         out.link(message + 4, header)
         _I64.pack_into(out.buf, header + 8, dict_id)
+        where["dictionary"] = header + 8
         out.buf[header + 16] = 1 if is_delta else 0
         parent_field = header + 4
     else:
@@ -293,15 +420,19 @@ def _message_bytes(
     batch = out.table(out.vtable(32, fields), 32)
     out.link(parent_field, batch)
     _I64.pack_into(out.buf, batch + 8, length)
+    where["length"] = batch + 8
     if compression is not None:
         comp = out.table(out.vtable(8, [4, 5]), 8)
         out.buf[comp + 4] = compression
         out.buf[comp + 5] = 0  # method BUFFER
         out.link(batch + 20, comp)
-    out.link(batch + 4, out.vector(node_bytes, len(nodes)))
-    out.link(batch + 16, out.vector(buffer_bytes, len(buffers)))
+    out.link(batch + 4, at := out.vector(node_bytes, len(nodes)))
+    where["nodes"] = at + 4
+    out.link(batch + 16, at := out.vector(buffer_bytes, len(buffers)))
+    where["buffers"] = at + 4
     if variadic_counts:
-        out.link(batch + 24, out.vector(variadic, len(variadic_counts)))
+        out.link(batch + 24, at := out.vector(variadic, len(variadic_counts)))
+        where["variadic"] = at + 4
     out.align(8)
     return bytes(out.buf[: out.pos])
 
