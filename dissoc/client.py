@@ -39,6 +39,7 @@ from dissoc.protocol import (
     BODY_PACKED,
     BODY_PAIRS,
     PAIRS_HEADER_SIZE,
+    SEQ_MAX,
     SEQ_MODULUS,
     ArenaAnnouncement,
     ClientState,
@@ -243,10 +244,10 @@ class _Session:
         self.stalled_bodies: deque[tuple[int, Any, int]] = deque()
         self.stalled_bytes = 0
         self._retrying = False
-        # On one connection carrying both streams in order, a metadata message waits here for the tagged
-        # message after it, so that the pair goes through the stream in one step (its body, usually).
+        # On in-order transports, metadata messages that run in sequence from the next one to release wait
+        # here for their bodies, so that each pair goes through the stream in one step (the common case).
         self.pairing = False
-        self.held: Any = None
+        self.held: deque[tuple[int, Any]] = deque()
         # Connections carrying packed bodies come from, and go back to, the loop's pool (connection_pool).
         self.pooled = (
             pooled
@@ -377,8 +378,8 @@ class _Session:
             meta.set_receiver(_Taker(self, meta, metadata=True, bodies=False))
             data.set_receiver(_Taker(self, data, metadata=False, bodies=True))
         else:
-            self.pairing = self.ordered
             meta.set_receiver(_Taker(self, meta, metadata=True, bodies=True))
+        self.pairing = self.ordered
         await meta.send_tagged(self.meta_uri.want_data, self.ticket)
         if self.split:
             await data.send_tagged(self.data_uri.want_data, self.ticket)
@@ -405,7 +406,7 @@ class _Session:
 
     def connection_failed(self, exc: DissocError) -> None:
         if not self.done and not self.stream.finished:
-            if self.held is not None:
+            if self.held:
                 try:
                     self._flush_held()
                 except BaseException as error:
@@ -443,8 +444,6 @@ class _Session:
         if self.metadata_done:
             return False
         try:
-            if self.held is not None:
-                self._flush_held()
             prefix = peek_prefix(buf)
             if prefix is not None and prefix[0] in _ORDERED_TYPES:
                 kind, seq = prefix
@@ -454,23 +453,32 @@ class _Session:
                     self.stalled_metadata.append(buf)
                     self._stalled(conn, len(buf))
                     return True
-                if (
-                    self.pairing
-                    and kind == MessageType.METADATA
-                    and self.stream.state is ClientState.STREAMING
-                    and not self.stalled_bodies
-                ):
-                    self.held = buf
-                    return True
+                if self.pairing and kind == MessageType.METADATA and not self.stalled_bodies:
+                    held = self.held
+                    stream = self.stream
+                    if held:
+                        if seq == (held[-1][0] + 1) & SEQ_MAX:
+                            held.append((seq, buf))
+                            return True
+                    elif (
+                        seq == stream.next_seq
+                        and stream.state is ClientState.STREAMING
+                        and stream.pending_bytes == 0
+                    ):
+                        held.append((seq, buf))
+                        return True
+            if self.held:
+                self._flush_held()
             self._metadata(buf)
         except BaseException as exc:  # handed to the consumer, which raises it
             self._failed(exc)
         return True
 
     def _flush_held(self) -> None:
-        """The held metadata message goes through the stream on its own (what followed it was not a body)."""
-        held, self.held = self.held, None
-        self._metadata(held)
+        """The held metadata messages go through the stream on their own (what came next did not pair)."""
+        held = self.held
+        while held:
+            self._metadata(held.popleft()[1])
 
     def _metadata(self, buf: Any) -> None:
         stream = self.stream
@@ -507,16 +515,15 @@ class _Session:
                 self._arena_announced(decode_arena(TaggedMessage(tag, payload).view()))
                 return True
             held = self.held
-            if held is not None:
-                self.held = None
-                if body_type_of(tag) == BODY_PACKED:
+            if held:
+                if tag == held[0][0]:  # a packed body (type 0: the tag is the seq) for the first held
                     self.in_flight += nbytes
-                    self._publish(self.stream.receive_message_with_body(held, tag, payload, nbytes))
-                    if self.stream.metadata_complete or self.stream.finished:
-                        self.metadata_done = True
+                    self._publish(
+                        self.stream.receive_message_with_body(held.popleft()[1], tag, payload, nbytes)
+                    )
                     self._update_pause()
                     return True
-                self._metadata(held)
+                self._flush_held()
             self.in_flight += nbytes
             if self.stalled_bodies or self._ahead(seq_of(tag)):
                 self.stalled_bodies.append((tag, payload, nbytes))
@@ -615,7 +622,7 @@ class _Session:
             try:
                 await asyncio.wait_for(waiter, self.options.timeout)
             except TimeoutError:
-                if self.held is not None:  # nothing followed it: let the stream see it before it is asked
+                if self.held:  # nothing followed them: let the stream see them before it is asked
                     with contextlib.suppress(DissocError):
                         self._flush_held()
                 missing = [fmt_seq(m) for m in self.stream.missing()[:8]]
@@ -757,7 +764,7 @@ class _Session:
             self.pooled
             and self.stream.finished
             and not self.errored
-            and self.held is None
+            and not self.held
             and not self.stalled_metadata
             and not self.stalled_bodies
         )

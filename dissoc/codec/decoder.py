@@ -320,13 +320,16 @@ class MessageDecoder:
         buf: pa.Buffer | None = None
         if type(body) is bytes:
             size = len(body)
-            piece: object = body if size == need else memoryview(body)[:need]
         else:
             buf = body if isinstance(body, pa.Buffer) else _as_buffer(body)
             size = buf.size
-            piece = buf if size == need else buf.slice(0, need)
         if size < need:
             raise CodecError(f"message body: expected {need} bytes, got {size}")
+        piece: object
+        if buf is None:
+            piece = body if size == need else memoryview(body)[:need]  # type: ignore[arg-type]
+        else:
+            piece = buf if size == need else buf.slice(0, need)
         validate = self.validate
         if validate:
             checked = c.checked if prep.small else c.checked_all

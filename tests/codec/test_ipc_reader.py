@@ -436,3 +436,22 @@ def test_damaged_string_bodies_validated_as_binary_get_the_same_answer_on_every_
     assert fast._prepared[md].as_binary
     _same(_outcome(lambda: fast.decode(md, bad)), slow, "cached decode")
     _same(_outcome(lambda: fast.decode_landed(md, _land(md, bad))), slow, "decode_landed")
+
+
+@pytest.mark.parametrize("kind", ["bytes", "buffer", "numpy", "memoryview"])
+def test_a_short_body_after_the_layout_is_cached_is_a_codec_error(kind: str) -> None:
+    """Once a layout is cached the fast lane answers: a body shorter than the metadata says must still be
+    a CodecError (not pyarrow's IndexError from slicing it), whatever object carries it."""
+    batch = pa.record_batch({"a": pa.array(range(10)), "s": pa.array([f"v{i}" for i in range(10)])})
+    schema_md, metadata, body = _encode(batch)
+    dec = _decoder(schema_md)
+    dec.decode(metadata, body)  # caches the layout
+    short = body[:8]
+    carried: object = {
+        "bytes": short,
+        "buffer": pa.py_buffer(short),
+        "numpy": np.frombuffer(short, np.uint8),
+        "memoryview": memoryview(short),
+    }[kind]
+    with pytest.raises(CodecError, match="expected .* bytes"):
+        dec.decode(metadata, carried)
