@@ -1,7 +1,7 @@
 """Idle client connections kept for the next stream to the same server.
 
-A dissoc server keeps a connection open after a stream for the client's next want_data (within its
-``want_data_timeout``, 10 s by default), and a connection costs far more to make than to reuse: a UCX
+A dissoc server keeps a connection open after a stream for the client's next want_data (until its
+``idle_timeout``, 300 s by default), and a connection costs far more to make than to reuse: a UCX
 connection makes a worker on each side (tens of milliseconds), a TLS one a handshake. The client therefore
 gives the connections of a stream that ended cleanly back to the pool of its event loop, and the next
 stream to the same endpoint, with the same connection options, takes them. By default only the loops the
@@ -30,7 +30,8 @@ __all__ = ["MAX_IDLE_S", "MAX_PER_KEY", "ConnectionPool", "own", "owned", "pool_
 
 log = logging.getLogger(__name__)
 
-#: Seconds a connection may wait in the pool: half the server's default want_data_timeout.
+#: Seconds a connection may wait in the pool (far less than a server's default idle_timeout: a client that
+#: comes back later connects afresh rather than hold a server's connection for nothing).
 MAX_IDLE_S = 5.0
 #: Idle connections kept per endpoint (more streams at once make more connections; the rest are closed).
 MAX_PER_KEY = 4
