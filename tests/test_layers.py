@@ -18,7 +18,7 @@ FLOORS: list[set[str]] = [
     {"buffers", "uri", "logs", "tokens"},
     {"codec", "protocol"},
     {"transport"},
-    {"memory"},
+    {"memory", "connection_pool"},
     {"device"},
     {"datasets"},
     {"role_server"},
