@@ -88,6 +88,9 @@ log = logging.getLogger(__name__)
 #: Metadata-stream messages whose sequence numbers follow the stream's order (errors are numbered after it).
 _ORDERED_TYPES = frozenset({MessageType.END_OF_STREAM, MessageType.METADATA})
 
+#: Bytes of batches decoded into one burst before it is handed to the consumer (see _stream_one).
+_CHUNK_BYTES = 64 << 20
+
 #: Tasks that outlive the call that started them (zero-copy sessions waiting for their batches to go).
 _background: set[asyncio.Task[None]] = set()
 
@@ -249,10 +252,10 @@ class _Session:
         self.pairing = False
         self.held: deque[tuple[int, Any]] = deque()
         # Connections carrying packed bodies come from, and go back to, the loop's pool (connection_pool).
+        # (zero-copy batches keep the server's ranges, tied to the connection, until they are released)
         self.pooled = (
             pooled
             and options.reuse_connections is not False
-            and data_uri.memory is None
             and not options.zero_copy
             and options.landing == "host"
         )
@@ -762,6 +765,7 @@ class _Session:
             await self.flush_frees()
         clean = (
             self.pooled
+            and not self.to_free  # every range read was freed: the connection holds nothing on the server
             and self.stream.finished
             and not self.errored
             and not self.held
@@ -935,6 +939,7 @@ async def _stream_one(
         ended = False
         while not ended:
             chunk = _Chunk(session)
+            chunk_start = session.stats.bytes
             if first is not None:
                 ev, first = first, None
             else:
@@ -952,7 +957,9 @@ async def _stream_one(
                     on_schema(session.decoder.schema)
                 if batch is not None:
                     chunk.append(batch)
-                if not session.ready:
+                # A burst is handed over once it reaches _CHUNK_BYTES: the consumer lets go of its batches
+                # before more are decoded, so that pair readers' pooled buffers (and pages) are reused.
+                if not session.ready or session.stats.bytes - chunk_start >= _CHUNK_BYTES:
                     break
                 ev = await session.next_event()
             await session.flush_frees()

@@ -10,8 +10,8 @@ loop pools with ``ClientOptions(reuse_connections=True)`` and closes the pool wi
 :func:`dissoc.client.close_idle_connections` before the loop ends. A connection idle for longer
 than :data:`MAX_IDLE_S` (well under the server's timeout) or closed meanwhile is dropped instead.
 
-Only connections that carry packed bodies are pooled: pair lists tie ranges of the server's arena to the
-connection until they are freed, so those connections are closed with their stream as before.
+Connections of zero-copy streams are not pooled: their batches keep ranges of the server's arena, tied to
+the connection, until they are released; copy-mode pair readers free every range before the stream ends.
 """
 
 from __future__ import annotations
