@@ -28,6 +28,11 @@ Paths (rows of the table), all serving one Arrow IPC file written beforehand and
   ``ucx_path="auto"`` then connects through the listener and asks with want_data straight away, no
   handshake (everything on the listener's endpoint; UCX restricts those to TCP unless the server moves the
   connection). Compare it with ``dissoc-ucx-address`` (today's fastest UCX path) and the raw ucxx anchors.
+- ``dissoc-ucx-address-fresh``, ``dissoc-tcp-combined-fresh``: the same as ``dissoc-ucx-address`` and
+  ``dissoc-tcp-combined`` with ``ClientOptions(reuse_connections=False)``: every transfer makes and closes
+  its connections, as every stream did before connections were reused. The gap to the reused rows is the
+  per-stream cost of a connection (for UCX a worker on each side, tens of milliseconds), which once halved
+  the same-host UCX rate of ``--quick`` transfers unnoticed.
 
 Anchors (``_anchors.py``): ``numpy-copy`` (one ``np.copyto`` per batch, the memory-bandwidth ceiling),
 ``flight-do-get``, ``ipc-stream-socket`` and ``ucxx-raw``: a minimal ucxx sender subprocess sending each
@@ -272,6 +277,11 @@ def dissoc_path(
         ]
         argv += [str(dataset.path)]
         lines = anchors.start_server(stack, argv, timeout=SERVER_READY_TIMEOUT)
+        # Before the server stops (the stack unwinds in reverse): let go of the connections the client keeps
+        # for a next stream, while their peer is still there to close them with.
+        close_idle = getattr(importlib.import_module("dissoc.client"), "close_idle_connections_sync", None)
+        if close_idle is not None:
+            stack.callback(close_idle)
         info = next((line for line in lines if line.get("ticket") == dataset.ticket), lines[0])
         try:
             uri, ticket = str(info["uri"]), str(info["ticket"])
@@ -325,6 +335,17 @@ PATHS: list[tuple[str, str, PathFactory]] = [
     _dissoc_row("dissoc-ucx-address", "dissoc ucx address", "ucx", fields={"ucx_path": "address"}),
     _dissoc_row("dissoc-ucx-pairs-rma", "dissoc ucx pairs-rma", "ucx", memory="ucx"),
     _dissoc_row("dissoc-ucx-reference", "dissoc ucx reference", "ucx", publish_worker=False),
+    # Every stream on fresh connections, as before connections were reused: the per-stream cost of making
+    # and closing a UCX connection (a worker on each side), which once halved the same-host rate on --quick.
+    _dissoc_row(
+        "dissoc-ucx-address-fresh",
+        "dissoc ucx address fresh",
+        "ucx",
+        fields={"ucx_path": "address", "reuse_connections": False},
+    ),
+    _dissoc_row(
+        "dissoc-tcp-combined-fresh", "dissoc tcp combined fresh", "tcp", fields={"reuse_connections": False}
+    ),
 ]
 
 

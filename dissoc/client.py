@@ -76,6 +76,7 @@ __all__ = [
     "FetchStats",
     "StreamReader",
     "close_idle_connections",
+    "close_idle_connections_sync",
     "fetch",
     "fetch_async",
     "open_stream",
@@ -1261,6 +1262,11 @@ class _LoopRunner:
         if not self._shared:
             self.shutdown()
 
+    def close_idle(self) -> None:
+        """Close the idle connections of this loop's pool."""
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(pool_of(self._loop).aclose())
+
     def shutdown(self) -> None:
         loop = self._loop
         if loop.is_closed():
@@ -1333,6 +1339,15 @@ class _SharedRunner(_ThreadRunner):
 async def close_idle_connections() -> None:
     """Close the connections the running loop's pool keeps for later streams (``reuse_connections``)."""
     await pool_of(asyncio.get_running_loop()).aclose()
+
+
+def close_idle_connections_sync() -> None:
+    """Close the connections the synchronous API keeps for later streams (this thread's; done at exit
+    anyway). Call it before stopping a server this process streamed from, so that closing them later does
+    not meet a peer that is gone (UCX logs that as an error)."""
+    runner = _main if threading.current_thread() is threading.main_thread() else None
+    if runner is not None:
+        runner.close_idle()
 
 
 def open_stream(

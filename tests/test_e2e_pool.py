@@ -15,7 +15,13 @@ from e2e_helpers import ServerThread, listener_connections, ordered_table
 
 import dissoc
 from dissoc import connection_pool
-from dissoc.client import ClientOptions, close_idle_connections, open_stream, stream_batches
+from dissoc.client import (
+    ClientOptions,
+    close_idle_connections,
+    close_idle_connections_sync,
+    open_stream,
+    stream_batches,
+)
 from dissoc.connection_pool import ConnectionPool
 
 pytestmark = pytest.mark.timeout(60)
@@ -109,3 +115,12 @@ async def test_an_application_loop_pools_only_when_asked() -> None:
         assert listener_connections(srv.server) == 1
         await close_idle_connections()
         assert await asyncio.to_thread(_eventually, lambda: listener_connections(srv.server) == 0)
+
+
+def test_idle_connections_can_be_closed_from_synchronous_code() -> None:
+    with ServerThread({"t": TABLE}) as srv:
+        assert dissoc.fetch(srv.uri, "t").equals(TABLE)
+        assert listener_connections(srv.server) == 1
+        close_idle_connections_sync()
+        assert _eventually(lambda: listener_connections(srv.server) == 0)
+        assert dissoc.fetch(srv.uri, "t").equals(TABLE)  # and the next stream connects afresh

@@ -44,7 +44,14 @@ from e2e_helpers import (
 )
 
 import dissoc
-from dissoc.client import ClientOptions, FetchStats, fetch_async, open_stream, stream_batches
+from dissoc.client import (
+    ClientOptions,
+    FetchStats,
+    close_idle_connections_sync,
+    fetch_async,
+    open_stream,
+    stream_batches,
+)
 from dissoc.datasets import ReaderFactoryDataset
 from dissoc.errors import RemoteError, TransportError
 from dissoc.server import Server
@@ -251,6 +258,7 @@ def test_sync_fetch_and_open_stream(split: bool) -> None:
         with open_stream(srv.uri, "t", data_uri=srv.data_uri, options=opts("listener")) as reader:
             assert reader.schema.equals(table.schema)
             streamed = list(reader)
+        close_idle_connections_sync()  # while the server is there to close them with
     assert got.equals(table)
     assert assert_ids_in_order(streamed) == 2000
 
