@@ -166,7 +166,12 @@ def as_views(data: SendData) -> tuple[list[memoryview], int]:
             views.append(view)
             total += view.nbytes
             continue
-        if kind is memoryview and item.format in _BYTE_FORMATS and item.c_contiguous:  # type: ignore[union-attr]
+        if (
+            kind is memoryview
+            and item.ndim == 1  # type: ignore[union-attr]
+            and item.format in _BYTE_FORMATS  # type: ignore[union-attr]
+            and item.c_contiguous  # type: ignore[union-attr]
+        ):
             views.append(item)  # type: ignore[arg-type]  # one byte per item: slices count bytes
             total += item.nbytes  # type: ignore[union-attr]
             continue

@@ -447,3 +447,23 @@ def test_buffer_pool_reuses_slabs_nothing_uses() -> None:
     assert second_at in addresses  # the second slab was idle and is carved again
     assert held_at not in addresses  # the first is still in use (``held``): never handed out twice
     assert held.ctypes.data == held_at
+
+
+def test_as_views_gives_flat_byte_views_whatever_it_is_given() -> None:
+    """Partial sends slice these views by bytes: every view must be one-dimensional, one byte per item."""
+    import pyarrow as pa
+
+    from dissoc.transport.base import as_views
+
+    given = [
+        b"abc",
+        pa.py_buffer(b"defg"),
+        memoryview(b"hi"),
+        memoryview(np.arange(6, dtype=np.uint8).reshape(2, 3)),  # 2-D bytes
+        memoryview(np.arange(2, dtype=np.int64)),  # 8 bytes an item
+    ]
+    views, total = as_views(given)
+    assert total == 3 + 4 + 2 + 6 + 16
+    assert all(v.ndim == 1 and v.itemsize == 1 for v in views)
+    assert [v.nbytes for v in views] == [3, 4, 2, 6, 16]
+    assert bytes(views[3][4:]) == bytes([4, 5])  # sliced by bytes, as a partial send does
