@@ -459,8 +459,8 @@ def test_as_views_gives_flat_byte_views_whatever_it_is_given() -> None:
         b"abc",
         pa.py_buffer(b"defg"),
         memoryview(b"hi"),
-        memoryview(np.arange(6, dtype=np.uint8).reshape(2, 3)),  # 2-D bytes
-        memoryview(np.arange(2, dtype=np.int64)),  # 8 bytes an item
+        np.arange(6, dtype=np.uint8).reshape(2, 3).data,  # 2-D bytes
+        np.arange(2, dtype=np.int64).data,  # 8 bytes an item
     ]
     views, total = as_views(given)
     assert total == 3 + 4 + 2 + 6 + 16
