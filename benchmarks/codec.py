@@ -130,17 +130,22 @@ def bulk_batch(nbytes: int, seed: int = 1) -> pa.RecordBatch:
 # timing
 
 
-def per_call(fn: Callable[[], Any], repeat: int, min_time: float = 0.1) -> float:
-    """Median seconds per call over ``repeat`` rounds, each round long enough to time reliably."""
+def calls_per_round(fn: Callable[[], Any], min_time: float) -> int:
+    """How many calls of ``fn`` (after one warm-up call) take at least ``min_time`` seconds (up to 2**20)."""
     fn()
     n = 1
     while True:
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
-        if time.perf_counter() - t0 >= min_time / 4 or n >= 1 << 20:
-            break
+        if time.perf_counter() - t0 >= min_time or n >= 1 << 20:
+            return n
         n *= 4
+
+
+def per_call(fn: Callable[[], Any], repeat: int, min_time: float = 0.1) -> float:
+    """Median seconds per call over ``repeat`` rounds, each round long enough to time reliably."""
+    n = calls_per_round(fn, min_time / 4)
     samples = []
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -236,18 +241,7 @@ def bench_decode(
 def interleaved(fns: dict[str, Callable[[], Any]], repeat: int, min_time: float = 0.01) -> dict[str, float]:
     """Median seconds per call of each function, timed in alternating rounds (3 x ``repeat`` each), so that
     load from elsewhere on the machine falls on the dissoc and pyarrow sides alike."""
-    counts = {}
-    for name, fn in fns.items():
-        fn()
-        n = 1
-        while True:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            if time.perf_counter() - t0 >= min_time or n >= 1 << 20:
-                break
-            n *= 4
-        counts[name] = n
+    counts = {name: calls_per_round(fn, min_time) for name, fn in fns.items()}
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(3 * repeat):
         for name, fn in fns.items():

@@ -360,14 +360,7 @@ class MessageDecoder:
             # pyarrow refuses what our checks accepted: our codec decides, on the C Data Interface path
             source.read = _NOTHING
             return self._ipc_refused(prep, buf if buf is not None else pa.py_buffer(body))
-        if validate and prep.small and c.full_columns:
-            self._validate_ipc(prep, batch, message, buf if buf is not None else body)
-        elif not prep.shape_checked:
-            try:
-                batch.validate()
-            except (pa.ArrowException, ValueError) as e:
-                raise CodecError(f"RecordBatch: invalid data: {e}") from None
-        return batch
+        return self._finish_ipc(prep, batch, message, buf if buf is not None else body)
 
     def _ipc_refused(self, prep: Prepared, body: pa.Buffer) -> pa.RecordBatch:
         log.debug("pyarrow's IPC reader refused a checked layout; decoding it through the C Data Interface")
@@ -451,8 +444,16 @@ class MessageDecoder:
             batch = _read_record_batch(message, c.schema)
         except (pa.ArrowException, ValueError, TypeError, OSError):
             return self._ipc_refused(prep, landing.slice(room))
-        if validate and prep.small and c.full_columns:
-            self._validate_ipc(prep, batch, message, landing, room)
+        return self._finish_ipc(prep, batch, message, landing, room)
+
+    def _finish_ipc(
+        self, prep: Prepared, batch: pa.RecordBatch, message: pa.ipc.Message, body: object, at: int = 0
+    ) -> pa.RecordBatch:
+        """The checks left after pyarrow's reader built ``batch``: pyarrow's full validation of a small batch
+        with such columns (:meth:`_validate_ipc`), else its cheap one where the metadata did not settle the
+        shape already."""
+        if self.validate and prep.small and prep.compiled.full_columns:
+            self._validate_ipc(prep, batch, message, body, at)
         elif not prep.shape_checked:
             try:
                 batch.validate()
