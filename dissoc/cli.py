@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dissoc.config import ConfigError, config_path, layer, track_defaults
 from dissoc.errors import DissocError
+from dissoc.logs import LOG_FORMATS, configure
 
 __all__ = ["main"]
 
@@ -68,6 +70,17 @@ def _seconds(text: str) -> float | None:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be 0 (none) or a positive number of seconds, got {text}")
     return value or None
+
+
+def _timeout(text: str) -> float:
+    """A positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def _connections(text: str) -> int | str | None:
@@ -124,7 +137,29 @@ def _parser() -> argparse.ArgumentParser:
         "serve", help="serve Arrow IPC / Parquet files, each under the ticket of its file stem"
     )
     s.add_argument(
-        "paths", nargs="+", metavar="PATH", help="Arrow IPC file or stream, Parquet file or directory"
+        "paths",
+        nargs="*",
+        metavar="PATH",
+        help="Arrow IPC file or stream, Parquet file or directory (or 'paths' from the environment/file)",
+    )
+    s.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a TOML file of serve options, keys named like the flags (default $DISSOC_CONFIG); "
+        "precedence: flag > environment (DISSOC_<FLAG>) > file > default",
+    )
+    s.add_argument(
+        "--log-format",
+        choices=list(LOG_FORMATS),
+        default="text",
+        help="stderr lines: text, or one JSON object each",
+    )
+    s.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default=None,
+        help="default: warning, or info/debug with -v/-vv",
     )
     s.add_argument("--transport", choices=["tcp", "ucx"], default="tcp")
     s.add_argument("--host", default="127.0.0.1")
@@ -318,6 +353,18 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--json", action="store_true", help='print {"ticket", "name", "scope", "expires", "bind"} as JSON'
     )
+
+    h = sub.add_parser(
+        "health",
+        help="does the server at URI answer a cheap request? exit 0 if so, 1 if not; prints a JSON line",
+    )
+    h.add_argument(
+        "uri", help="a dissoc URI (metadata, data or combined server) or a Flight location grpc://HOST:PORT"
+    )
+    h.add_argument("--timeout", type=_timeout, default=5.0, help="seconds to answer (default 5)")
+    h.add_argument("--ucx-path", choices=["auto", "listener", "address"], default="auto")
+    _tls_get_flags(h)
+    h.add_argument("--token", default=None, help=f"bearer token for a Flight plane (default ${TOKEN_ENV})")
 
     c = sub.add_parser(
         "cleanup",
@@ -598,6 +645,27 @@ def _token(args: argparse.Namespace) -> int:
     return 0
 
 
+# -------------------------------------------------------------------------------------------------- health
+
+
+def _health(args: argparse.Namespace) -> int:
+    """Probe one server; the JSON line says what it answered (or why it is not healthy)."""
+    from dissoc.client import ClientOptions
+    from dissoc.health import check_sync
+
+    options = ClientOptions(
+        ucx_path=args.ucx_path,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        token=args.token or os.environ.get(TOKEN_ENV) or None,
+    )
+    result = check_sync(args.uri, timeout=args.timeout, options=options)
+    sys.stdout.write(json.dumps(result.as_dict()) + "\n")
+    sys.stdout.flush()
+    return 0 if result.healthy else 1
+
+
 # ------------------------------------------------------------------------------------------------- cleanup
 
 
@@ -618,15 +686,45 @@ def _cleanup(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------------- main
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    raise LookupError(name)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dissoc`` command."""
     parser = _parser()
+    serve_parser = _subparser(parser, "serve")
+    serve_defaults = track_defaults(serve_parser)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits 2 on usage errors, 0 for --help
         return int(e.code or 0)
-    level = logging.WARNING - 10 * args.verbose
-    logging.basicConfig(stream=sys.stderr, level=max(level, logging.DEBUG), format="%(name)s: %(message)s")
+    level = max(logging.WARNING - 10 * args.verbose, logging.DEBUG)
+    log_format = "text"
+    if args.command == "serve":
+        # flag > environment > file > default; a bad key or value is a usage error naming where it was
+        try:
+            layered = layer(serve_parser, args, serve_defaults, config_file=config_path(args))
+        except ConfigError as e:
+            sys.stderr.write(f"dissoc serve: error: {e}\n")
+            return 2
+        if not args.paths:
+            sys.stderr.write("dissoc serve: error: no PATH to serve (arguments, DISSOC_PATHS or 'paths')\n")
+            return 2
+        log_format = args.log_format
+        if args.log_level is not None:
+            level = logging.getLevelName(args.log_level.upper())
+    configure(level, log_format)
+    if args.command == "serve":
+        for name in layered.unknown_env:
+            log.warning("environment variable %s names no 'dissoc serve' option: ignored", name)
+        for dest, source in layered.sources.items():
+            if source != "default" and source != "flag":
+                log.info("%s from %s", dest, source)
     try:
         if args.command == "serve":
             return asyncio.run(_serve(args))
@@ -634,6 +732,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cleanup(args)
         if args.command == "token":
             return _token(args)
+        if args.command == "health":
+            return _health(args)
         return asyncio.run(_get(args))
     except DissocError as e:
         sys.stderr.write(f"dissoc: error: {e}\n")

@@ -32,6 +32,7 @@ from dissoc.codec import MessageDecoder
 from dissoc.connection_pool import own, owned, pool_of
 from dissoc.errors import DissocError, ProtocolError, RemoteError, ResourceError, TransportError
 from dissoc.flight.common import DEFAULT_TIMEOUT, is_flight_location
+from dissoc.logs import new_stream_id, stream_id
 from dissoc.memory.pairs import PairReader, open_pair_reader
 from dissoc.protocol import (
     ARENA_TAG,
@@ -181,6 +182,35 @@ def _as_uri(uri: str | DissocURI) -> DissocURI:
     return uri if isinstance(uri, DissocURI) else DissocURI.parse(uri)
 
 
+async def open_connection(uri: DissocURI, options: ClientOptions) -> Connection:
+    """A fresh connection to ``uri``'s server with ``options``' transport settings (TLS files, UCX path,
+    read-ahead budget), within ``options.timeout``; failures are :class:`~dissoc.errors.TransportError`."""
+    extra: dict[str, Any] = {}
+    if uri.scheme == "ucx":
+        extra = {"worker": uri.params.get("worker"), "path": options.ucx_path}
+    elif uri.scheme == "tls":
+        from dissoc.transport.tls import cached_client_context
+
+        extra = {"tls": cached_client_context(options.tls_ca, options.tls_cert, options.tls_key)}
+    try:
+        return await asyncio.wait_for(
+            connect(
+                uri.scheme,
+                uri.host,
+                uri.port,
+                max_buffered_bytes=options.max_buffered_bytes,
+                **extra,
+            ),
+            options.timeout,
+        )
+    except TimeoutError:
+        raise TransportError(
+            f"connecting to {uri.host}:{uri.port}: no answer within {options.timeout} s"
+        ) from None
+    except OSError as e:
+        raise TransportError(f"connecting to {uri.host}:{uri.port} failed: {e}") from None
+
+
 class _Taker:
     """Takes one connection's messages for a session as they arrive (see ``Connection.set_receiver``):
     untagged ones are metadata-stream messages where ``metadata``, tagged ones bodies where ``bodies``."""
@@ -309,31 +339,7 @@ class _Session:
             await self.flush_frees()
 
     async def _connect(self, uri: DissocURI) -> Connection:
-        extra: dict[str, Any] = {}
-        if uri.scheme == "ucx":
-            extra = {"worker": uri.params.get("worker"), "path": self.options.ucx_path}
-        elif uri.scheme == "tls":
-            from dissoc.transport.tls import cached_client_context
-
-            options = self.options
-            extra = {"tls": cached_client_context(options.tls_ca, options.tls_cert, options.tls_key)}
-        try:
-            return await asyncio.wait_for(
-                connect(
-                    uri.scheme,
-                    uri.host,
-                    uri.port,
-                    max_buffered_bytes=self.options.max_buffered_bytes,
-                    **extra,
-                ),
-                self.options.timeout,
-            )
-        except TimeoutError:
-            raise TransportError(
-                f"connecting to {uri.host}:{uri.port}: no answer within {self.options.timeout} s"
-            ) from None
-        except OSError as e:
-            raise TransportError(f"connecting to {uri.host}:{uri.port} failed: {e}") from None
+        return await open_connection(uri, self.options)
 
     def _pool_key(self, uri: DissocURI) -> Hashable:
         o = self.options
@@ -922,7 +928,9 @@ async def _stream_one(
     opts = options or ClientOptions()
     meta = _as_uri(uri)
     data = _as_uri(data_uri) if data_uri is not None else meta
+    previous = stream_id.set(new_stream_id())  # the session's tasks, made next, log with it
     session = _Session(meta, data, _ticket_bytes(ticket), opts)
+    log.debug("stream of %r from %s", ticket if isinstance(ticket, str) else f"<{len(ticket)} bytes>", meta)
     try:
         first: MessageReady | SchemaReceived | StreamEnded | None = None
         try:
@@ -976,6 +984,8 @@ async def _stream_one(
                 session.stats.bytes,
             )
         await session.close()
+        with contextlib.suppress(ValueError):  # finalized in another context: nothing to restore there
+            stream_id.reset(previous)
 
 
 async def stream_batches(

@@ -26,8 +26,16 @@ from dissoc.buffers import BytesLike
 from dissoc.datasets import Catalog, Dataset
 from dissoc.datasets.messages import dataset_messages, same_every_time
 from dissoc.errors import DissocError, ResourceError, TransportError
-from dissoc.logs import RateLimitedLog, peer_log
-from dissoc.protocol import ERROR_TAG, ServerMessage, ServerStream, encode_error, fmt_seq, fmt_tag
+from dissoc.logs import RateLimitedLog, new_stream_id, peer_log, stream_id
+from dissoc.protocol import (
+    EMPTY_TICKET,
+    ERROR_TAG,
+    ServerMessage,
+    ServerStream,
+    encode_error,
+    fmt_seq,
+    fmt_tag,
+)
 from dissoc.tokens import Secret, TokenError
 from dissoc.transport import Connection, Listener, TaggedMessage, serve
 from dissoc.uri import DissocURI
@@ -365,6 +373,12 @@ class RoleServer(abc.ABC):
     async def _answer(self, conn: Connection, request: TaggedMessage) -> None:
         """One want_data request: the ticket's stream, or an error."""
         ticket: bytes | str = bytes(request.view())
+        stream_id.set(new_stream_id())  # this request's lines carry it, until the next request on conn
+        if not ticket:
+            # The health probe (dissoc.health): answered at once, before any token check, counted nowhere.
+            log.debug("empty want_data on %s: answered %s", conn.description, EMPTY_TICKET)
+            await self.send_error(conn, encode_error(0, EMPTY_TICKET, "want_data carried no ticket"))
+            return
         secret = self.options.secret
         if log.isEnabledFor(logging.DEBUG):
             # a signed ticket is a credential: not even part of it goes to the log

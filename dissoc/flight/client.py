@@ -35,7 +35,7 @@ from dissoc.uri import DissocURI, UriError
 if TYPE_CHECKING:
     import pyarrow.flight as paflight
 
-__all__ = ["DatasetInfo", "describe", "list_datasets", "publish", "remove", "resolve"]
+__all__ = ["DatasetInfo", "describe", "list_actions", "list_datasets", "publish", "remove", "resolve"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +254,22 @@ def list_datasets(
     with _client(location, what, tls_ca, tls_cert, tls_key) as client:
         infos = list(client.list_flights(b"", _call_options(timeout, token)))
     return [_parse_info(info, f"{what} at {location}") for info in infos]
+
+
+def list_actions(
+    location: str,
+    *,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    tls_ca: PemPath = None,
+    tls_cert: PemPath = None,
+    tls_key: PemPath = None,
+    token: str | None = None,
+) -> list[str]:
+    """The action types the control plane at ``location`` offers (ListActions): the cheapest call that
+    shows it serves (``dissoc health``)."""
+    what = "ListActions"
+    with _client(location, what, tls_ca, tls_cert, tls_key) as client:
+        return [str(a.type) for a in client.list_actions(_call_options(timeout, token))]
 
 
 def publish(

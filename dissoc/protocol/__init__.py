@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dissoc.protocol.arena import MAX_ARENA_PAYLOAD, ArenaAnnouncement, decode_arena, encode_arena
 from dissoc.protocol.framing import (
+    EMPTY_TICKET,
     PREFIX_SIZE,
     BytesLike,
     EndOfStream,
@@ -91,6 +92,7 @@ __all__ = [
     "BODY_PACKED",
     "BODY_ERROR",
     "BODY_PAIRS",
+    "EMPTY_TICKET",
     "ERROR_TAG",
     "BODY_TYPE_SHIFT",
     "DEFAULT_MAX_PENDING_BYTES",

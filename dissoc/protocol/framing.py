@@ -29,6 +29,7 @@ from dissoc.errors import ProtocolError
 from dissoc.protocol.seq import check_seq, fmt_seq
 
 __all__ = [
+    "EMPTY_TICKET",
     "MAX_ERROR_CODE",
     "MAX_ERROR_MESSAGE",
     "MAX_ERROR_PAYLOAD",
@@ -64,6 +65,10 @@ MAX_ERROR_MESSAGE: Final = 1024
 
 MAX_ERROR_CODE: Final = 64
 """Most characters of a received error's code kept."""
+
+EMPTY_TICKET: Final = "empty_ticket"
+"""The error code a server answers a want_data without a ticket with, at once (project extension: the
+health probe's request, ``dissoc health``)."""
 
 
 class MessageType(enum.IntEnum):
