@@ -166,6 +166,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=_port, default=0, help="metadata (or combined) port; 0 picks a free one")
     s.add_argument("--data-port", type=_port, default=0, help="data port with --split; 0 picks a free one")
     s.add_argument("--split", action="store_true", help="metadata and data streams on two servers")
+    s.add_argument(
+        "--role",
+        choices=["all", "metadata", "data", "none"],
+        default="all",
+        help="with --split, run one half here (the other in another process: give the metadata half "
+        "--advertise-data-uri); 'none': no server, only the datasets' catalog for --flight, handing out "
+        "--advertise-uri and --advertise-data-uri",
+    )
+    s.add_argument("--advertise-uri", default=None, metavar="URI", help="metadata URI given to clients")
+    s.add_argument("--advertise-data-uri", default=None, metavar="URI", help="data URI given to clients")
     s.add_argument("--body", choices=["packed", "pairs"], default="packed")
     s.add_argument(
         "--memory", choices=["shm", "ucx", "cuda"], default=None, help="what pair addresses point at"
@@ -478,6 +488,9 @@ async def _serve(args: argparse.Namespace) -> int:
         **tls,
         secret=secret,
         private_memory=args.private_memory,
+        role=args.role,
+        advertise_uri=args.advertise_uri,
+        advertise_data_uri=args.advertise_data_uri,
     )
     async with contextlib.AsyncExitStack() as running:
         await running.enter_async_context(server)

@@ -38,6 +38,7 @@ from dissoc.transport.tls import DEFAULT_HANDSHAKE_TIMEOUT, server_context
 from dissoc.uri import DissocURI
 
 __all__ = [
+    "ROLES",
     "DEFAULT_FREE_DATA",
     "DEFAULT_MAX_CONNECTIONS_PER_PEER",
     "DEFAULT_MAX_RECEIVING_BYTES",
@@ -54,6 +55,10 @@ DEFAULT_FREE_DATA = 0x46524545
 DEFAULT_MAX_CONNECTIONS_PER_PEER = 64
 #: Bytes being received (or received and not yet taken) across all of a server's connections.
 DEFAULT_MAX_RECEIVING_BYTES = 1 << 30
+#: What a Server runs: ``all`` (both halves, or the combined server), one half of a split server in its own
+#: process (``metadata``, ``data``: the two encode the same datasets alike, so their sequence numbers
+#: match), or ``none`` (only the catalog, for a Flight control plane in front of servers running elsewhere).
+ROLES = ("all", "metadata", "data", "none")
 
 
 class Server:
@@ -90,6 +95,12 @@ class Server:
       a message that would go past it fails its connection (nothing is allocated for it);
     - ``max_unfreed_bytes`` (None: a quarter of the arena) one client may hold in listed ranges it has not
       freed; over it, that client's stream fails with ``quota_exceeded`` and the others are served.
+
+    Across processes: with ``split=True``, ``role="metadata"`` or ``role="data"`` runs only that half (two
+    processes serving the same datasets make one split server; the metadata half hands clients
+    ``advertise_data_uri``, the data server's URI), and ``role="none"`` runs no listener, only the catalog,
+    for a :class:`~dissoc.flight.FlightControlPlane` that hands out ``advertise_uri`` and
+    ``advertise_data_uri``. Publishing through such a plane adds to its own catalog only: run it read-only.
 
     TLS (``tcp`` transport): with ``tls_cert`` and ``tls_key`` (PEM files) both ports speak TLS and the URIs
     are ``tls://``; with ``tls_client_ca`` too, mutual TLS: a client must present a certificate signed by a
@@ -133,8 +144,33 @@ class Server:
         tls_handshake_timeout: float | None = DEFAULT_HANDSHAKE_TIMEOUT,
         secret: Secret | bytes | str | None = None,
         private_memory: bool = False,
+        role: str = "all",
+        advertise_uri: str | None = None,
+        advertise_data_uri: str | None = None,
         **transport_options: Any,
     ) -> None:
+        if role not in ROLES:
+            raise DissocError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if role in ("metadata", "data") and not split:
+            raise DissocError(f"role={role!r} runs one half of a split server: it needs split=True (--split)")
+        for what, given in (("advertise_uri", advertise_uri), ("advertise_data_uri", advertise_data_uri)):
+            if given is not None:
+                try:
+                    DissocURI.parse(given)  # a malformed one fails here, not in a client
+                except DissocError as e:
+                    raise DissocError(f"{what}: {e}") from None
+        if role == "metadata" and advertise_data_uri is None:
+            raise DissocError(
+                "role='metadata' needs advertise_data_uri (--advertise-data-uri): the data server's"
+            )
+        if role == "none" and (advertise_uri is None or advertise_data_uri is None):
+            raise DissocError(
+                "role='none' (a catalog for a control plane, no listener) needs advertise_uri and "
+                "advertise_data_uri (--advertise-uri, --advertise-data-uri): the servers' that serve it"
+            )
+        #: Which of the servers run in this process (see :data:`ROLES`).
+        self.role = role
+        self._advertised = (advertise_uri, advertise_data_uri)
         for what, number in (("port", port), ("data_port", data_port)):
             if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number <= 65535:
                 # the OS would wrap 70000 to 4464, or take 65536 as "any port"
@@ -228,6 +264,12 @@ class Server:
                     self.catalog, options, transport=transport, host=host, port=port, **transport_options
                 )
             ]
+        if role == "metadata":
+            self._servers = self._servers[:1]
+        elif role == "data":
+            self._servers = self._servers[1:]
+        elif role == "none":
+            self._servers = []
         self._closed = asyncio.Event()
 
     def add(self, name: str, obj: Any, *, replace: bool = False) -> Dataset:
@@ -255,17 +297,27 @@ class Server:
 
     @property
     def uri(self) -> str:
-        """The metadata URI (also the data URI of a combined server)."""
-        return str(self._servers[0].uri())
+        """The metadata URI (also the data URI of a combined server); the advertised one if given."""
+        return str(self.uris[0])
 
     @property
     def data_uri(self) -> str:
-        """The data URI (equal to :attr:`uri` unless split)."""
-        return str(self._servers[-1].uri())
+        """The data URI (equal to :attr:`uri` unless split); the advertised one if given."""
+        return str(self.uris[1])
 
     @property
     def uris(self) -> tuple[DissocURI, DissocURI]:
-        return self._servers[0].uri(), self._servers[-1].uri()
+        """The metadata and data URIs clients are given: the advertised ones where set, else the running
+        servers' (a data-only server without ``advertise_uri`` gives its own for both)."""
+        meta, data = self._advertised
+        own_meta = self._servers[0].uri() if self._servers else None
+        own_data = self._servers[-1].uri() if self._servers else None
+        if self.role == "data":
+            own_meta = own_data
+        first = DissocURI.parse(meta) if meta is not None else own_meta
+        second = DissocURI.parse(data) if data is not None else own_data
+        assert first is not None and second is not None  # checked in __init__
+        return first, second
 
     @property
     def unauthorized(self) -> int:
