@@ -17,14 +17,15 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dissoc.config import ConfigError, config_path, layer, track_defaults
+from dissoc.config import ConfigError, Layered, config_path, layer, track_defaults
 from dissoc.errors import DissocError
 from dissoc.logs import LOG_FORMATS, configure
 
-__all__ = ["main"]
+__all__ = ["main", "parse_args"]
 
 log = logging.getLogger("dissoc")
 
@@ -707,36 +708,47 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
     raise LookupError(name)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``dissoc`` command."""
+def parse_args(
+    argv: list[str] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[argparse.Namespace, Layered | None]:
+    """The command line's arguments, ``serve``'s completed from ``environ`` (default ``os.environ``) and its
+    configuration file (flag > environment > file > default), with where each came from. Usage errors,
+    configuration errors included, print the usage and raise ``SystemExit(2)``, as argparse does."""
     parser = _parser()
     serve_parser = _subparser(parser, "serve")
     serve_defaults = track_defaults(serve_parser)
+    args = parser.parse_args(argv)
+    if args.command != "serve":
+        return args, None
     try:
-        args = parser.parse_args(argv)
+        layered = layer(
+            serve_parser, args, serve_defaults, environ=environ, config_file=config_path(args, environ)
+        )
+    except ConfigError as e:
+        serve_parser.error(str(e))
+    if not args.paths:
+        serve_parser.error("no PATH to serve (as arguments, in DISSOC_PATHS or the file's 'paths')")
+    return args, layered
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``dissoc`` command."""
+    try:
+        args, layered = parse_args(argv)
     except SystemExit as e:  # argparse exits 2 on usage errors, 0 for --help
         return int(e.code or 0)
     level = max(logging.WARNING - 10 * args.verbose, logging.DEBUG)
     log_format = "text"
     if args.command == "serve":
-        # flag > environment > file > default; a bad key or value is a usage error naming where it was
-        try:
-            layered = layer(serve_parser, args, serve_defaults, config_file=config_path(args))
-        except ConfigError as e:
-            sys.stderr.write(f"dissoc serve: error: {e}\n")
-            return 2
-        if not args.paths:
-            sys.stderr.write("dissoc serve: error: no PATH to serve (arguments, DISSOC_PATHS or 'paths')\n")
-            return 2
         log_format = args.log_format
         if args.log_level is not None:
             level = logging.getLevelName(args.log_level.upper())
     configure(level, log_format)
-    if args.command == "serve":
+    if layered is not None:
         for name in layered.unknown_env:
             log.warning("environment variable %s names no 'dissoc serve' option: ignored", name)
         for dest, source in layered.sources.items():
-            if source != "default" and source != "flag":
+            if source not in ("default", "flag"):
                 log.info("%s from %s", dest, source)
     try:
         if args.command == "serve":

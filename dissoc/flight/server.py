@@ -158,7 +158,11 @@ class _Handlers:
         except TokenError as e:
             with self._lock:
                 self.unauthenticated += 1
-            peer_log.log(logging.WARNING, ("flight", "unauthenticated"), "Flight %s refused: %s", method, e)
+            # A ListActions without credentials is what health probes send (dissoc.health): refused like any
+            # other call, but not worth a warning every few seconds.
+            probe = method == "LIST_ACTIONS" and not values
+            level = logging.DEBUG if probe else logging.WARNING
+            peer_log.log(level, ("flight", "unauthenticated", probe), "Flight %s refused: %s", method, e)
             raise _error("unauthenticated", f"authentication required: {e}") from None
         return claims
 
