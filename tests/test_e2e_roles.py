@@ -39,26 +39,33 @@ def stored(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, pa.Table]:
 
 @contextlib.contextmanager
 def three_services(path: Path, *extra: str) -> Iterator[tuple[str, str, str]]:
-    meta_port, data_port = free_port(), free_port()
+    """The data half first: its URI (which, with pairs, names its arena) is what the others hand out."""
+    meta_port = free_port()
     meta_uri = f"tcp://127.0.0.1:{meta_port}?want_data={DEFAULT_WANT_DATA}"
-    data_uri = f"tcp://127.0.0.1:{data_port}?want_data={DEFAULT_WANT_DATA}"
-    with (
-        cli_server(
-            str(path), "--split", "--role", "data", "--data-port", str(data_port), *extra, count=1,
-        ) as (_, data_lines),
-        cli_server(
-            str(path), "--split", "--role", "metadata", "--port", str(meta_port),
-            "--advertise-data-uri", data_uri, *extra, count=1,
-        ) as (_, meta_lines),
-        cli_server(
-            str(path), "--role", "none", "--flight", "0", "--flight-read-only",
-            "--advertise-uri", meta_uri, "--advertise-data-uri", data_uri, *extra, count=1,
-        ) as (_, plane_lines),
-    ):  # fmt: skip
-        assert data_lines[0]["data_uri"] == data_uri
+    with contextlib.ExitStack() as running:
+        data, data_lines = running.enter_context(
+            cli_server(str(path), "--split", "--role", "data", *extra, count=1)
+        )
+        data_uri = data_lines[0]["data_uri"]
+        assert data_lines[0]["uri"] == data_uri  # a data half alone knows no metadata URI
+        meta, meta_lines = running.enter_context(
+            cli_server(
+                str(path), "--split", "--role", "metadata", "--port", str(meta_port),
+                "--advertise-data-uri", data_uri, *extra, count=1,
+            )
+        )  # fmt: skip
+        plane, plane_lines = running.enter_context(
+            cli_server(
+                str(path), "--role", "none", "--flight", "0", "--flight-read-only",
+                "--advertise-uri", meta_uri, "--advertise-data-uri", data_uri, *extra, count=1,
+            )
+        )  # fmt: skip
         assert (meta_lines[0]["uri"], meta_lines[0]["data_uri"]) == (meta_uri, data_uri)
         assert (plane_lines[0]["uri"], plane_lines[0]["data_uri"]) == (meta_uri, data_uri)
         yield meta_uri, data_uri, plane_lines[0]["flight"]
+        for proc in (plane, meta, data):  # stopped, not killed: the data half unlinks its arena
+            proc.terminate()
+            assert proc.wait(15) == 0
 
 
 def test_halves_in_separate_processes_make_one_split_server(stored: tuple[Path, pa.Table]) -> None:
@@ -70,10 +77,14 @@ def test_halves_in_separate_processes_make_one_split_server(stored: tuple[Path, 
             dissoc.fetch(flight, "nope")
 
 
-def test_compressed_halves_agree(stored: tuple[Path, pa.Table]) -> None:
+@pytest.mark.parametrize(
+    "extra", [["--compression", "zstd"], ["--body", "pairs", "--arena-mib", "16"]], ids=["zstd", "pairs"]
+)
+def test_halves_agree_compressed_and_with_pairs(stored: tuple[Path, pa.Table], extra: list[str]) -> None:
     path, table = stored
-    with three_services(path, "--compression", "zstd") as (meta_uri, data_uri, _):
+    with three_services(path, *extra) as (meta_uri, data_uri, flight):
         assert dissoc.fetch(meta_uri, "trips", data_uri=data_uri).equals(table)
+        assert dissoc.fetch(flight, "trips").equals(table)
 
 
 @pytest.mark.parametrize(

@@ -190,13 +190,17 @@ class Server:
         self.private: PrivateArenas | None = None
         if body not in ("packed", "pairs"):
             raise DissocError(f"body must be 'packed' or 'pairs', got {body!r}")
+        # The metadata half, or a bare catalog, lists no pairs: no arena for it (the data half has one).
+        arena_here = role in ("all", "data")
         if body == "pairs":
             memory = memory or "shm"
             if memory == "ucx" and transport != "ucx":
                 raise DissocError("memory='ucx' (pairs read with UCX RMA) needs transport='ucx'")
             if compression is not None:
                 raise DissocError("compression applies to packed bodies; pairs point at uncompressed buffers")
-            if private_memory:
+            if not arena_here:
+                pass
+            elif private_memory:
                 # one arena per data connection, each the per-client quota, all of them within arena_bytes
                 quota = max_unfreed_bytes if max_unfreed_bytes is not None else arena_bytes // 4
                 self.private = PrivateArenas(memory, capacity=quota, budget=arena_bytes)
