@@ -22,6 +22,7 @@ import dissoc.metrics as metrics
 from dissoc.client import ClientOptions, fetch_async, stream_batches
 from dissoc.errors import DissocError, RemoteError
 from dissoc.metrics import Histogram, Sample, client_metrics, server_metrics
+from dissoc.protocol import MessageType, decode_stream_message
 from dissoc.server import Server
 from dissoc.tokens import Secret
 from dissoc.transport import connect
@@ -321,23 +322,69 @@ async def test_refusals_are_counted_by_reason() -> None:
     )
 
 
-async def test_idle_timeout_and_quota_refusals_are_counted() -> None:
+async def test_deadline_drops_are_counted_by_reason() -> None:
     before = server_metrics()
-    async with Server({"t": sample_table(batches=1)}, want_data_timeout=0.2) as server:
+    async with Server({"t": sample_table(batches=1)}, want_data_timeout=0.2, idle_timeout=0.3) as server:
         uri = server.uris[0]
-        conn = await connect(uri.scheme, uri.host, uri.port)
+        # one says nothing: dropped after want_data_timeout
+        silent = await connect(uri.scheme, uri.host, uri.port)
         try:
-            # says nothing: dropped after want_data_timeout
             with pytest.raises(DissocError):
-                await within(10, conn.recv())
+                await within(10, silent.recv())
         finally:
-            await conn.close()
+            await silent.close()
+        # another asks at once, reads its stream to the end, then idles: dropped after idle_timeout
+        idle = await connect(uri.scheme, uri.host, uri.port)
+        try:
+            outcome, _ = await within(10, _ask(idle, uri.want_data, b"t"))
+            assert outcome == "eos"
+            with pytest.raises(DissocError):
+                await within(10, _ask(idle, uri.want_data, b"t", send=False))
+        finally:
+            await idle.close()
     after = server_metrics()
-    assert (
-        snap_total(after, "dissoc_server_refusals_total", reason="want_data_timeout")
-        - snap_total(before, "dissoc_server_refusals_total", reason="want_data_timeout")
-        == 1
-    )
+    for reason in ("want_data_timeout", "idle_timeout"):
+        name = "dissoc_server_refusals_total"
+        assert snap_total(after, name, reason=reason) - snap_total(before, name, reason=reason) == 1, reason
+
+
+async def _ask(conn: Any, want_data: int, ticket: bytes, *, send: bool = True) -> tuple[str, Any]:
+    """One request on a raw combined connection: ("eos", count) or ("error", ErrorMessage); reads the metadata
+    stream only (pair lists pile up unread, never freed)."""
+    if send:
+        await conn.send_tagged(want_data, ticket)
+    while True:
+        buf = await conn.recv()
+        kind = bytes(buf[:1])[0]
+        if kind == MessageType.END_OF_STREAM:
+            return "eos", decode_stream_message(buf)
+        if kind == MessageType.ERROR:
+            return "error", decode_stream_message(buf)
+
+
+async def test_a_client_over_its_unfreed_quota_is_counted() -> None:
+    table = ordered_table(4, 1 << 17)  # 4 batches of 1 MiB; the quota is a quarter of 16 MiB: one stream
+    before = server_metrics()
+    async with Server({"t": table}, body="pairs", memory="shm", arena_bytes=16 << 20) as server:
+        uri = server.uris[0]
+        hostile = await connect(uri.scheme, uri.host, uri.port)
+        try:
+            outcome, _ = await within(10, _ask(hostile, uri.want_data, b"t"))
+            assert outcome == "eos"
+            held = snap_total(server_metrics(), "dissoc_server_awaiting_free_data_bytes")
+            assert held >= table.nbytes  # listed, never freed
+            outcome, error = await within(10, _ask(hostile, uri.want_data, b"t"))
+            assert (outcome, error.code) == ("error", "quota_exceeded")
+        finally:
+            await hostile.close()
+    after = server_metrics()
+
+    def delta(name: str, **labels: str) -> float:
+        return snap_total(after, name, **labels) - snap_total(before, name, **labels)
+
+    assert delta("dissoc_server_refusals_total", reason="quota_exceeded") == 1
+    assert delta("dissoc_server_streams_failed_total", role="combined", reason="quota_exceeded") == 1
+    assert delta("dissoc_server_streams_finished_total", role="combined") == 1
 
 
 # --------------------------------------------------------------------------------------- pairs, free_data
