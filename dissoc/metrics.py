@@ -240,7 +240,7 @@ class ServerMetrics:
             "Requests and connections refused or dropped by a limit or check, by reason (unknown_ticket, "
             "unauthorized, request_too_large, receive_budget, quota_exceeded, arenas_exhausted, "
             "bad_free_data, max_connections, max_connections_per_peer, want_data_timeout, request_timeout, "
-            "idle_timeout)",
+            "idle_timeout, tls_handshake)",
             ("reason",),
         )
         self._sent = _Tallies("dissoc_server_sent", "sent")

@@ -532,3 +532,25 @@ def test_flight_calls_refused_by_the_authenticator_are_counted() -> None:
         return snap_total(server_metrics(), "dissoc_flight_calls_total", code="unauthenticated") - before
 
     assert asyncio.run(main()) == 1
+
+
+async def test_tls_handshake_refusals_and_tls_traffic_are_counted(tmp_path: Path) -> None:
+    from tls_certs import make_certs
+
+    certs = make_certs(tmp_path)
+    before = server_metrics()
+    table = ordered_table(3, 100)
+    async with Server({"t": table}, tls_cert=certs.server_cert, tls_key=certs.server_key) as server:
+        plain = server.uri.replace("tls://", "tcp://")
+        with pytest.raises(DissocError):
+            await within(10, fetch_async(plain, "t", options=ClientOptions(timeout=10.0)))
+        got = await within(10, fetch_async(server.uri, "t", options=ClientOptions(tls_ca=str(certs.ca))))
+        assert got.equals(table)
+    after = server_metrics()
+
+    def delta(name: str, **labels: str) -> float:
+        return snap_total(after, name, **labels) - snap_total(before, name, **labels)
+
+    assert delta("dissoc_server_refusals_total", reason="tls_handshake") == 1
+    assert delta("dissoc_server_sent_batches_total", transport="tls", body="packed") == 3
+    assert delta("dissoc_server_connections_total", role="combined", transport="tls") == 2
