@@ -554,3 +554,37 @@ async def test_tls_handshake_refusals_and_tls_traffic_are_counted(tmp_path: Path
     assert delta("dissoc_server_refusals_total", reason="tls_handshake") == 1
     assert delta("dissoc_server_sent_batches_total", transport="tls", body="packed") == 3
     assert delta("dissoc_server_connections_total", role="combined", transport="tls") == 2
+
+
+async def test_split_roles_and_the_per_peer_connection_limit_are_counted() -> None:
+    table = ordered_table(3, 100)
+    before = server_metrics()
+    async with Server({"t": table}, split=True, max_connections_per_peer=1) as server:
+        got = await within(
+            10,
+            fetch_async(
+                server.uri, "t", data_uri=server.data_uri, options=ClientOptions(reuse_connections=False)
+            ),
+        )
+        assert got.equals(table)
+        meta = server.uris[0]
+        first = await connect(meta.scheme, meta.host, meta.port)
+        second = await connect(meta.scheme, meta.host, meta.port)
+        try:
+            with pytest.raises(DissocError):  # one more from the same address: closed at once
+                await within(10, second.recv())
+        finally:
+            await second.close()
+            await first.close()
+    after = server_metrics()
+
+    def delta(name: str, **labels: str) -> float:
+        return snap_total(after, name, **labels) - snap_total(before, name, **labels)
+
+    for role in ("metadata", "data"):
+        assert delta("dissoc_server_streams_started_total", role=role) == 1, role
+        assert delta("dissoc_server_streams_finished_total", role=role) == 1, role
+        assert delta("dissoc_server_want_data_total", role=role) == 1, role
+    assert delta("dissoc_server_streams_started_total", role="combined") == 0
+    assert delta("dissoc_server_sent_batches_total", transport="tcp", body="packed") == 3  # bodies: data only
+    assert delta("dissoc_server_refusals_total", reason="max_connections_per_peer") == 1
