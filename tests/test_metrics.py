@@ -588,3 +588,25 @@ async def test_split_roles_and_the_per_peer_connection_limit_are_counted() -> No
     assert delta("dissoc_server_streams_started_total", role="combined") == 0
     assert delta("dissoc_server_sent_batches_total", transport="tcp", body="packed") == 3  # bodies: data only
     assert delta("dissoc_server_refusals_total", reason="max_connections_per_peer") == 1
+
+
+@pytest.mark.ucx
+async def test_ucx_traffic_is_counted_under_its_transport() -> None:
+    table = ordered_table(3, 100)
+    before, client_before = server_metrics(), client_metrics()
+    async with Server({"t": table}, transport="ucx") as server:
+        got = await within(30, fetch_async(server.uri, "t", options=ClientOptions(timeout=30)))
+        assert got.equals(table)
+    after, client_after = server_metrics(), client_metrics()
+    name = "dissoc_server_sent_batches_total"
+    assert snap_total(after, name, transport="ucx") - snap_total(before, name, transport="ucx") == 3
+    name = "dissoc_client_received_batches_total"
+    assert (
+        snap_total(client_after, name, transport="ucx") - snap_total(client_before, name, transport="ucx")
+        == 3
+    )
+    name = "dissoc_client_streams_finished_total"
+    assert (
+        snap_total(client_after, name, transport="ucx") - snap_total(client_before, name, transport="ucx")
+        == 1
+    )
