@@ -232,7 +232,7 @@ class ServerMetrics:
         self.streams_failed = Family(
             "dissoc_server_streams_failed_total",
             "Streams that ended early, by reason (client_gone, stream_failed, quota_exceeded, "
-            "arenas_exhausted, ...)",
+            "arenas_exhausted, cancelled: the server closed)",
             ("role", "reason"),
         )
         self.refusals = Family(
@@ -248,7 +248,8 @@ class ServerMetrics:
         self.in_flight = Tally()
         self.time_to_first_batch = Histogram(
             "dissoc_server_time_to_first_batch_seconds",
-            "Seconds from a want_data accepted to its stream's first batch handed to the connection",
+            "Seconds from a want_data accepted to its stream's first batch ready to send (the dataset opened "
+            "and read that far)",
         )
 
     def sent(self, transport: str, body: str) -> Tally:

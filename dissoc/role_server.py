@@ -256,6 +256,10 @@ async def stream_dataset(
         else:
             await send_error(_error(stream, "stream_failed", f"serving {dataset.name!r} failed: {e}"))
         return stream.next_seq
+    except BaseException as e:  # the server is closing (cancelled), or a bug: counted, so that every stream
+        # started is counted as finished or failed
+        metrics.streams_failed.inc(role, "cancelled" if isinstance(e, asyncio.CancelledError) else "error")
+        raise
     finally:
         metadata, body = None, []  # a traceback through this frame must not keep the last batch
         await messages.aclose()  # the dataset's reader stops now, also when the client left mid-stream
