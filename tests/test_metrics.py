@@ -191,11 +191,14 @@ async def scrape_until(url: str, check: Callable[[Parsed], bool], seconds: float
         await asyncio.sleep(0.05)
 
 
+BIG_BATCHES = 64
+
+
 @pytest.fixture(scope="module")
 def big_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """40 batches of 1 MiB: more than the sockets' buffers hold, so a paused consumer holds the server up."""
+    """64 batches of 1 MiB: far more than socket buffers hold, so a paused consumer holds the server up."""
     path = tmp_path_factory.mktemp("metrics") / "big.arrow"
-    table = ordered_table(40, 1 << 17)
+    table = ordered_table(BIG_BATCHES, 1 << 17)
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
         w.write_table(table, max_chunksize=1 << 17)
     return path
@@ -232,7 +235,7 @@ async def test_serve_metrics_endpoint_shows_the_counters_move_during_and_after_a
         rows = first.num_rows
         async for batch in batches:
             rows += batch.num_rows
-        assert rows == 40 << 17
+        assert rows == BIG_BATCHES << 17
         after = await scrape_until(
             url,
             lambda p: value(p, "dissoc_server_connections_open", role="combined", transport="tcp") == 0,
@@ -240,8 +243,8 @@ async def test_serve_metrics_endpoint_shows_the_counters_move_during_and_after_a
         assert value(after, "dissoc_server_streams_finished_total", role="combined") == 1
         assert total(after, "dissoc_server_streams_failed_total") == 0
         sent_after = value(after, "dissoc_server_sent_bytes_total", transport="tcp", body="packed")
-        assert sent_after > sent_during and sent_after >= 40 << 20
-        assert value(after, "dissoc_server_sent_batches_total", transport="tcp", body="packed") == 40
+        assert sent_after > sent_during and sent_after >= BIG_BATCHES << 20
+        assert value(after, "dissoc_server_sent_batches_total", transport="tcp", body="packed") == BIG_BATCHES
         assert value(after, "dissoc_server_in_flight_bytes") == 0
         assert value(after, "dissoc_server_connections_open", role="combined", transport="tcp") == 0
         assert "process_resident_memory_bytes" in after or sys.platform != "linux"
