@@ -16,7 +16,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from e2e_helpers import PYTHON, REPO, cli_server, ordered_table, sample_table, within
+from e2e_helpers import PYTHON, REPO, cli_server, eventually, ordered_table, sample_table, within
 
 import dissoc.metrics as metrics
 from dissoc.client import ClientOptions, fetch_async, stream_batches
@@ -300,8 +300,19 @@ async def test_refusals_are_counted_by_reason() -> None:
                 await within(10, conn.recv())
         finally:
             await conn.close()
-        gauges = server_metrics()
-        assert snap_total(gauges, "dissoc_server_connections_open", role="combined") >= 0
+
+        # connections open: read from the listener when scraped
+        def open_now() -> float:
+            return snap_total(server_metrics(), "dissoc_server_connections_open", role="combined")
+
+        base = open_now()
+        extra = [await connect(uri.scheme, uri.host, uri.port) for _ in range(2)]
+        try:
+            assert await eventually(lambda: open_now() == base + 2, 10), (open_now(), base)
+        finally:
+            for c in extra:
+                await c.close()
+        assert await eventually(lambda: open_now() == base, 10), (open_now(), base)
     after = server_metrics()
     client_after = client_metrics()
 
