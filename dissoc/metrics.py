@@ -42,8 +42,10 @@ __all__ = [
     "CLIENT",
     "FLIGHT",
     "SERVER",
+    "SOURCE_METRICS",
     "TIME_BUCKETS",
     "ClientMetrics",
+    "Exported",
     "Family",
     "FlightMetrics",
     "Histogram",
@@ -152,19 +154,19 @@ class _Tallies:
                 tally = self._by.setdefault(key, Tally())
         return tally
 
-    def families(self) -> list[_Exported]:
+    def families(self) -> list[Exported]:
         with self._lock:
             items = list(self._by.items())
         labels = ("transport", "body")
         return [
-            _Exported(
+            Exported(
                 "counter",
                 f"{self.prefix}_bytes_total",
                 f"Body bytes {self.what} (packed: the bodies; pairs: the bytes the pair lists point at)",
                 labels,
                 {key: float(t.bytes) for key, t in items},
             ),
-            _Exported(
+            Exported(
                 "counter",
                 f"{self.prefix}_batches_total",
                 f"Messages with a body (record and dictionary batches) {self.what}",
@@ -256,7 +258,7 @@ class ServerMetrics:
         """The tally of bytes and batches sent over ``transport`` with ``body`` (``packed`` or ``pairs``)."""
         return self._sent.get(transport, body)
 
-    def families(self) -> list[_Exported]:
+    def families(self) -> list[Exported]:
         out = [
             _family(f)
             for f in (
@@ -272,7 +274,7 @@ class ServerMetrics:
         ]
         out.extend(self._sent.families())
         out.append(
-            _Exported(
+            Exported(
                 "gauge",
                 "dissoc_server_in_flight_bytes",
                 "Bytes handed to a connection's send that has not returned yet (slow clients' backpressure)",
@@ -294,7 +296,7 @@ class FlightMetrics:
             ("method", "code"),
         )
 
-    def families(self) -> list[_Exported]:
+    def families(self) -> list[Exported]:
         return [_family(self.calls)]
 
 
@@ -325,7 +327,7 @@ class ClientMetrics:
         """The tally of bytes and batches received over ``transport`` with ``body`` (packed or pairs)."""
         return self._received.get(transport, body)
 
-    def families(self) -> list[_Exported]:
+    def families(self) -> list[Exported]:
         out = [_family(f) for f in (self.streams_started, self.streams_finished, self.streams_failed)]
         out.append(_family(self.free_data))
         out.extend(self._received.families())
@@ -424,7 +426,7 @@ def _safe_samples(source: Source) -> list[Sample]:
         return []
 
 
-def _source_families(prefix: str) -> list[_Exported]:
+def _source_families(prefix: str) -> list[Exported]:
     with _sources_lock:
         sources = list(_sources)
         sums: dict[str, dict[tuple[str, ...], float]] = {}
@@ -439,7 +441,7 @@ def _source_families(prefix: str) -> list[_Exported]:
     out = []
     for name, (kind, doc, labelnames) in SOURCE_METRICS.items():
         if name.startswith(prefix):
-            out.append(_Exported(kind, name, doc, labelnames, sums.get(name, {})))
+            out.append(Exported(kind, name, doc, labelnames, sums.get(name, {})))
     return out
 
 
@@ -447,7 +449,7 @@ def _source_families(prefix: str) -> list[_Exported]:
 
 
 @dataclass(frozen=True, slots=True)
-class _Exported:
+class Exported:
     """One metric as exported: counters and gauges have ``samples``, histograms ``buckets`` and ``sum``."""
 
     kind: Kind
@@ -459,22 +461,22 @@ class _Exported:
     sum: float = 0.0
 
 
-def _family(f: Family) -> _Exported:
-    return _Exported(f.kind, f.name, f.doc, f.labelnames, f.samples())
+def _family(f: Family) -> Exported:
+    return Exported(f.kind, f.name, f.doc, f.labelnames, f.samples())
 
 
-def _histogram(h: Histogram) -> _Exported:
+def _histogram(h: Histogram) -> Exported:
     buckets, total = h.cumulative()
-    return _Exported("histogram", h.name, h.doc, (), {}, tuple(buckets), total)
+    return Exported("histogram", h.name, h.doc, (), {}, tuple(buckets), total)
 
 
 _SIDES = {"server": ("dissoc_server_", "dissoc_flight_"), "client": ("dissoc_client_",)}
 
 
-def families(side: Literal["server", "client"] | None = None) -> list[_Exported]:
+def families(side: Literal["server", "client"] | None = None) -> list[Exported]:
     """Every dissoc metric as it stands now (``side``: only the server's and Flight plane's, or only the
     client's)."""
-    out: list[_Exported] = []
+    out: list[Exported] = []
     if side in (None, "server"):
         out.extend(SERVER.families())
         out.extend(FLIGHT.families())
