@@ -17,9 +17,10 @@ The counts are process-wide (:data:`SERVER`, :data:`FLIGHT`, :data:`CLIENT`). Re
 (what ``dissoc serve --metrics PORT`` does). Exporting needs prometheus-client: ``pip install
 'dissoc[metrics]'``; importing dissoc never imports it.
 
-Counts from several threads (clients in their own threads, Flight calls) are exact for events; per-message
-tallies are plain adds, which free-threaded interleavings could in principle lose one of (never in a
-single-threaded event loop, which is where the servers count them).
+Counts from several threads (clients in their own threads, Flight calls) are exact for events. Per-message
+tallies are plain adds without a lock: exact within one event loop (where a server counts), while two threads
+adding to one tally at the same instant (servers or synchronous clients of one process on different threads)
+could, rarely, lose an add. The client adds once per burst of batches, not per batch.
 """
 
 from __future__ import annotations
