@@ -228,6 +228,20 @@ def _parser() -> argparse.ArgumentParser:
         help=f"with --flight: largest DoPut upload ({DEFAULT_MAX_PUT_BYTES >> 20}; 0: no limit)",
     )
     s.add_argument(
+        "--metrics",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port; the ready lines "
+        'then carry "metrics"); needs the metrics extra',
+    )
+    s.add_argument(
+        "--metrics-host",
+        default=None,
+        metavar="HOST",
+        help="with --metrics: the address the metrics endpoint listens on (default: --host)",
+    )
+    s.add_argument(
         "--secret-file",
         default=None,
         metavar="FILE",
@@ -494,6 +508,13 @@ async def _serve(args: argparse.Namespace) -> int:
         advertise_data_uri=args.advertise_data_uri,
     )
     async with contextlib.AsyncExitStack() as running:
+        metrics_url: str | None = None
+        if args.metrics is not None:
+            from dissoc.metrics import start_http_server
+
+            exporter = start_http_server(args.metrics, args.metrics_host or args.host)
+            running.callback(exporter.close)  # stopped last, after the servers
+            metrics_url = exporter.url
         await running.enter_async_context(server)
         flight_location: str | None = None
         if args.flight is not None:
@@ -518,6 +539,8 @@ async def _serve(args: argparse.Namespace) -> int:
             line: dict[str, Any] = {"ticket": name, "uri": server.uri, "data_uri": server.data_uri}
             if flight_location is not None:
                 line["flight"] = flight_location
+            if metrics_url is not None:
+                line["metrics"] = metrics_url
             sys.stdout.write(json.dumps(line) + "\n")
         sys.stdout.flush()
         await stop.wait()

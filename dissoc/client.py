@@ -20,6 +20,8 @@ import dataclasses
 import logging
 import os
 import threading
+import time
+import weakref
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from dissoc.errors import DissocError, ProtocolError, RemoteError, ResourceError
 from dissoc.flight.common import DEFAULT_TIMEOUT, is_flight_location
 from dissoc.logs import new_stream_id, stream_id
 from dissoc.memory.pairs import PairReader, open_pair_reader
+from dissoc.metrics import CLIENT, Sample, Tally, register
 from dissoc.protocol import (
     ARENA_TAG,
     BODY_ERROR,
@@ -95,6 +98,32 @@ _CHUNK_BYTES = 64 << 20
 
 #: Tasks that outlive the call that started them (zero-copy sessions waiting for their batches to go).
 _background: set[asyncio.Task[None]] = set()
+
+
+class _LiveSessions:
+    """The sessions reading now, for the client's gauges (:mod:`dissoc.metrics`, read at scrape time)."""
+
+    def __init__(self) -> None:
+        self._sessions: weakref.WeakSet[_Session] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def add(self, session: _Session) -> None:
+        with self._lock:
+            self._sessions.add(session)
+
+    def discard(self, session: _Session) -> None:
+        with self._lock:
+            self._sessions.discard(session)
+
+    def metrics_samples(self) -> Iterator[Sample]:
+        with self._lock:
+            sessions = list(self._sessions)
+        yield "dissoc_client_streams_open", (), float(len(sessions))
+        yield "dissoc_client_in_flight_bytes", (), float(sum(s.in_flight for s in sessions))
+
+
+_live = _LiveSessions()
+register(_live)
 
 
 @dataclass(frozen=True, slots=True)
@@ -739,6 +768,7 @@ class _Session:
         if self.to_free and self.data_conn is not None and self.data_uri.free_data is not None:
             addresses, self.to_free = self.to_free, []
             await self.data_conn.send_tagged(self.data_uri.free_data, encode_free(addresses))
+            CLIENT.free_data.inc(self.data_uri.scheme)
 
     async def close(self) -> None:
         self.done = True
@@ -924,13 +954,21 @@ async def _stream_one(
     stats: FetchStats | None,
     on_schema: Callable[[pa.Schema], None] | None,
 ) -> AsyncGenerator[list[Batch], None]:
-    """One stream's batches, in bursts (see :func:`stream_chunks`)."""
+    """One stream's batches, in bursts (see :func:`stream_chunks`). Counted in :data:`dissoc.metrics.CLIENT`
+    per burst: bytes and batches received, and the stream's start, end or failure."""
     opts = options or ClientOptions()
     meta = _as_uri(uri)
     data = _as_uri(data_uri) if data_uri is not None else meta
+    transport = meta.scheme
+    tally = CLIENT.received(transport, "packed" if data.memory is None else "pairs")
+    counted = FetchStats()  # what was added to the tally so far
+    outcome = "closed_early"  # the consumer stopped reading before the end (unless set below)
+    CLIENT.streams_started.inc(transport)
+    begun = time.monotonic()  # 0.0 once the first batch was decoded
     previous = stream_id.set(new_stream_id())  # the session's tasks, made next, log with it
     session = _Session(meta, data, _ticket_bytes(ticket), opts)
     log.debug("stream of %r from %s", ticket if isinstance(ticket, str) else f"<{len(ticket)} bytes>", meta)
+    _live.add(session)
     try:
         first: MessageReady | SchemaReceived | StreamEnded | None = None
         try:
@@ -943,7 +981,9 @@ async def _stream_one(
             # on fresh connections.
             log.debug("a reused connection failed before the stream began; connecting afresh")
             await session.close()
+            _live.discard(session)
             session = _Session(meta, data, _ticket_bytes(ticket), opts, pooled=False)
+            _live.add(session)
             await session.start()
         ended = False
         while not ended:
@@ -974,9 +1014,35 @@ async def _stream_one(
             await session.flush_frees()
             batch = None  # hold no batch past the yield: zero-copy batches free their memory on release
             del ev
+            _count_received(session.stats, counted, tally)
             if chunk:
+                if begun:
+                    CLIENT.time_to_first_batch.observe(time.monotonic() - begun)
+                    begun = 0.0
                 yield chunk
+        outcome = "ok"
+    except RemoteError as e:
+        outcome = e.code
+        raise
+    except ProtocolError:
+        outcome = "protocol"
+        raise
+    except TransportError:
+        outcome = "transport"
+        raise
+    except ResourceError:
+        outcome = "resource"
+        raise
+    except DissocError:
+        outcome = "error"
+        raise
     finally:
+        _live.discard(session)
+        _count_received(session.stats, counted, tally)
+        if outcome == "ok":
+            CLIENT.streams_finished.inc(transport)
+        else:
+            CLIENT.streams_failed.inc(transport, outcome)
         if stats is not None:
             stats.batches, stats.rows, stats.bytes = (
                 session.stats.batches,
@@ -986,6 +1052,13 @@ async def _stream_one(
         await session.close()
         with contextlib.suppress(ValueError):  # finalized in another context: nothing to restore there
             stream_id.reset(previous)
+
+
+def _count_received(stats: FetchStats, counted: FetchStats, tally: Tally) -> None:
+    """Add what ``stats`` gained since ``counted`` to the metrics' ``tally`` (once per burst)."""
+    tally.batches += stats.batches - counted.batches
+    tally.bytes += stats.bytes - counted.bytes
+    counted.batches, counted.bytes = stats.batches, stats.bytes
 
 
 async def stream_batches(

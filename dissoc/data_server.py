@@ -38,6 +38,7 @@ from dissoc.logs import RateLimitedLog
 from dissoc.memory.pairs import ServedArena
 from dissoc.memory.placements import Placements, Scope
 from dissoc.memory.private import PrivateArenas
+from dissoc.metrics import SERVER
 from dissoc.protocol import (
     ARENA_TAG,
     BODY_PAIRS,
@@ -134,11 +135,14 @@ class DataPart(StreamPart):
         options: ServeOptions,
         current: Callable[[], bool],
         private: PrivateMemory | None = None,
+        transport: str = "tcp",
     ) -> None:
         self._conn = conn
         self._options = options
         self._device = device_bodies(dataset, options.compression)  # each body is then one device array
         self._pairs = options.pairs
+        # bytes and batches sent (metrics), added to per message
+        self._tally = SERVER.sent(transport, "pairs" if self._pairs else "packed")
         self._private = private
         self._placements = options.placements
         self._scope = _scope(dataset, self._placements, current) if self._placements is not None else None
@@ -157,7 +161,11 @@ class DataPart(StreamPart):
         if not self._pairs:
             if self._device:
                 body = [_device_for_connection(body[0], self._conn)]
-            out.add(sent.tag, body, _host_nbytes(body))
+            nbytes = _host_nbytes(body)
+            out.add(sent.tag, body, nbytes)
+            tally = self._tally
+            tally.batches += 1
+            tally.bytes += nbytes
             return None
         return self._send_pairs(out, sent, metadata, body)
 
@@ -199,6 +207,9 @@ class DataPart(StreamPart):
         )
         ledger.record(conn, pairs)
         await conn.send_tagged(make_body_tag(sent.seq, BODY_PAIRS), encode_pairs(pairs))
+        tally = self._tally
+        tally.batches += 1
+        tally.bytes += nbytes
 
     async def _wait_for_quota(self, ledger: Ledger, sent: ServerMessage, nbytes: int) -> None:
         """The client would hold more than its quota awaiting free_data. The stream fails with
@@ -294,12 +305,20 @@ class DataServer(RoleServer):
         super().__init__(catalog, options, transport=transport, host=host, port=port, **transport_options)
         self._private: dict[Connection, PrivateMemory] = {}
 
+    def private_awaiting_bytes(self) -> int:
+        """Bytes listed in the connections' private arenas and not freed yet (0 without private arenas)."""
+        return sum(p.ledger.live_bytes for p in list(self._private.values()))
+
     def private_memory(self, conn: Connection) -> PrivateMemory | None:
         """``conn``'s own arena with private arenas (None otherwise, or once it closed)."""
         return self._private.get(conn)
 
     def parts(self, conn: Connection, dataset: Dataset, current: Callable[[], bool]) -> list[StreamPart]:
-        return [DataPart(conn, dataset, self.options, current, self.private_memory(conn))]
+        return [
+            DataPart(
+                conn, dataset, self.options, current, self.private_memory(conn), transport=self.transport
+            )
+        ]
 
     def _holds_ranges(self, conn: Connection) -> bool:
         private = self._private.get(conn)
@@ -352,9 +371,12 @@ class DataServer(RoleServer):
                 msg = await conn.recv_tagged(options.free_data)
             except TransportError:
                 return
+            SERVER.free_data.inc(self.role.value)
+            held = ledger.live_bytes_of(conn)
             try:
                 freed = ledger.free_ranges(conn, decode_free(msg.view()))
             except DissocError as e:
+                SERVER.refusals.inc("bad_free_data")
                 _peer_log.log(
                     logging.WARNING, "bad_free_data", "free_data from %s rejected: %s", conn.description, e
                 )
@@ -362,6 +384,7 @@ class DataServer(RoleServer):
                     await self.send_error(conn, encode_error(0, "bad_free_data", str(e)))
                 await conn.close()
                 return
+            SERVER.freed_bytes.inc(self.role.value, amount=held - ledger.live_bytes_of(conn))
             placements = private.placements if private is not None else options.placements
             if freed and placements is not None:
                 placements.release(conn, freed)

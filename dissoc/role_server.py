@@ -27,6 +27,7 @@ from dissoc.datasets import Catalog, Dataset
 from dissoc.datasets.messages import dataset_messages, same_every_time
 from dissoc.errors import DissocError, ResourceError, TransportError
 from dissoc.logs import RateLimitedLog, new_stream_id, peer_log, stream_id
+from dissoc.metrics import SERVER
 from dissoc.protocol import (
     EMPTY_TICKET,
     ERROR_TAG,
@@ -38,6 +39,7 @@ from dissoc.protocol import (
 )
 from dissoc.tokens import Secret, TokenError
 from dissoc.transport import Connection, Listener, TaggedMessage, serve
+from dissoc.transport.base import ReceiveBudgetError
 from dissoc.uri import DissocURI
 
 if TYPE_CHECKING:
@@ -139,6 +141,9 @@ class ServeOptions:
         return self.ledger.capacity_bytes // 4 if self.ledger is not None else 0
 
 
+#: Bytes handed to a connection's send that has not returned yet (metrics: dissoc_server_in_flight_bytes).
+_IN_FLIGHT = SERVER.in_flight
+
 # Small messages from a source that never blocks are written together, up to these limits per system call.
 _COALESCE_BYTES = 256 << 10
 _COALESCE_MESSAGES = 64
@@ -160,10 +165,15 @@ class Outbox:
         self._bytes += nbytes
 
     async def flush(self) -> None:
-        """Write everything queued."""
+        """Write everything queued (counted in flight until the send returns)."""
         if self._frames:
-            frames, self._frames, self._bytes = self._frames, [], 0
-            await self.conn.send_many(frames)
+            frames, nbytes, self._frames, self._bytes = self._frames, self._bytes, [], 0
+            in_flight = _IN_FLIGHT
+            in_flight.bytes += nbytes
+            try:
+                await self.conn.send_many(frames)
+            finally:
+                in_flight.bytes -= nbytes
 
     def due(self) -> bool:
         """Whether what is queued should be written now (after each message unless coalescing, else once
@@ -196,14 +206,20 @@ async def stream_dataset(
     *,
     compression: str | None,
     send_error: Callable[[bytes], Any],
+    role: str = "combined",
 ) -> int:
     """Walk ``dataset``'s messages through ``parts``; returns the number of messages numbered.
 
     A failure of the dataset or its encoding is reported to the client with ``send_error`` (an error
     message numbered after what was sent), which ends the stream; a transport failure propagates.
+    Counted in :data:`dissoc.metrics.SERVER` under ``role``: started, finished or failed (by reason), and the
+    time to the first batch.
     """
     stream = ServerStream()
     messages = dataset_messages(dataset, compression)
+    metrics = SERVER
+    metrics.streams_started.inc(role)
+    begun = time.monotonic()  # 0.0 once the first batch went
     try:
         first = True
         async for metadata, body, with_body in messages:
@@ -213,6 +229,9 @@ async def stream_dataset(
                 for part in parts:
                     part.schema(out, header, metadata)
                 continue
+            if begun:
+                metrics.time_to_first_batch.observe(time.monotonic() - begun)
+                begun = 0.0
             sent = stream.message(metadata, with_body)
             for part in parts:
                 waiting = part.message(out, sent, metadata, body)
@@ -225,22 +244,30 @@ async def stream_dataset(
             part.end(out, stream)
         await out.flush()
         log.debug("stream of %r done: %s messages", dataset.name, fmt_seq(count))
+        metrics.streams_finished.inc(role)
         return count
     except TransportError as e:
         # The client left mid-send. The failed send's tracebacks hold the frames that held the batch, in a
         # cycle with the transport's futures that only the garbage collector would break: let go of them.
         _drop_tracebacks(e)
+        metrics.streams_failed.inc(role, "client_gone")
         raise
     except (DissocError, pa.ArrowException, OSError, ValueError) as e:
         # The dataset or its encoding failed: tell the client on the stream, which then ends.
         _stream_log.log(logging.WARNING, type(e).__name__, "stream of %r failed: %s", dataset.name, e)
         await out.flush()
         code = getattr(e, "code", None) if isinstance(e, ResourceError) else None
+        metrics.streams_failed.inc(role, code if isinstance(code, str) else "stream_failed")
         if isinstance(code, str):  # a limit with its own error code (QuotaExceeded, ArenasExhausted)
+            metrics.refusals.inc(code)
             await send_error(_error(stream, code, str(e)))
         else:
             await send_error(_error(stream, "stream_failed", f"serving {dataset.name!r} failed: {e}"))
         return stream.next_seq
+    except BaseException as e:  # the server is closing (cancelled), or a bug: counted, so that every stream
+        # started is counted as finished or failed
+        metrics.streams_failed.inc(role, "cancelled" if isinstance(e, asyncio.CancelledError) else "error")
+        raise
     finally:
         metadata, body = None, []  # a traceback through this frame must not keep the last batch
         await messages.aclose()  # the dataset's reader stops now, also when the client left mid-stream
@@ -341,6 +368,7 @@ class RoleServer(abc.ABC):
 
     async def serve_connection(self, conn: Connection) -> None:
         """Answer ``conn``'s want_data requests until the peer leaves (or breaks a limit or deadline)."""
+        SERVER.connections.inc(self.role.value, self.transport)
         options = self.options
         conn.limit_tag(options.want_data, options.max_ticket_bytes)
         if options.free_data is not None:
@@ -360,6 +388,7 @@ class RoleServer(abc.ABC):
                 return
             except TransportError:
                 return
+            SERVER.want_data.inc(self.role.value)
             if watch is not None:
                 watch.first = False
                 watch.streaming = True
@@ -394,6 +423,7 @@ class RoleServer(abc.ABC):
         try:
             dataset = self.catalog.get(ticket)
         except DissocError as e:
+            SERVER.refusals.inc("unknown_ticket")
             await self.send_error(conn, encode_error(0, "unknown_ticket", str(e)))
             return
         out = Outbox(conn, coalesce=same_every_time(dataset))
@@ -405,6 +435,7 @@ class RoleServer(abc.ABC):
             parts,
             compression=self.options.compression,
             send_error=lambda message: self.send_error(conn, message),
+            role=self.role.value,
         )
 
     async def _unauthorized(self, conn: Connection, error: TokenError) -> None:
@@ -412,6 +443,7 @@ class RoleServer(abc.ABC):
         ``unauthorized`` error that names neither the dataset nor anything of the secret; the connection
         stays open (a client may ask again with a valid ticket) and other clients are not affected."""
         self.unauthorized += 1
+        SERVER.refusals.inc(UNAUTHORIZED)
         peer_log.log(
             logging.WARNING,
             ("unauthorized", self.role),
@@ -425,6 +457,9 @@ class RoleServer(abc.ABC):
     async def _refuse(self, conn: Connection, error: ResourceError) -> None:
         """A request over a limit: log it (rate-limited), tell the client if the connection still sends, and
         end the connection (the caller returns)."""
+        SERVER.refusals.inc(
+            "receive_budget" if isinstance(error, ReceiveBudgetError) else "request_too_large"
+        )
         peer_log.log(logging.WARNING, ("refused", type(error)), "refusing %s: %s", conn.description, error)
         with contextlib.suppress(DissocError, TimeoutError):
             async with asyncio.timeout(1.0):
@@ -467,10 +502,11 @@ class RoleServer(abc.ABC):
         for conn, watch in list(self._watched.items()):
             if watch.streaming or conn.closed:
                 continue
-            reason = ""
+            reason = kind = ""
             if watch.first:
                 if want_data_timeout is not None and now - watch.since > want_data_timeout:
                     reason = f"no complete want_data within {want_data_timeout} s of connecting"
+                    kind = "want_data_timeout"
             else:
                 frame = conn.idle_frame()
                 if frame is None or frame != watch.frame:
@@ -478,12 +514,15 @@ class RoleServer(abc.ABC):
                     watch.frame_since = now
                 elif want_data_timeout is not None and now - watch.frame_since > want_data_timeout:
                     reason = f"a request left unfinished for {want_data_timeout} s"
+                    kind = "request_timeout"
                 if not reason and idle_timeout is not None:
                     if self._holds_ranges(conn):
                         watch.since = now  # a client holding listed ranges will send free_data later
                     elif now - watch.since > idle_timeout:
                         reason = f"idle for {idle_timeout} s"
+                        kind = "idle_timeout"
             if reason:
+                SERVER.refusals.inc(kind)
                 log.debug("dropping %s: %s", conn.description, reason)
                 del self._watched[conn]
                 task = asyncio.get_running_loop().create_task(conn.close())
@@ -505,6 +544,11 @@ class RoleServer(abc.ABC):
     @property
     def port(self) -> int:
         return self._listener.port if self._listener is not None else self._port
+
+    @property
+    def open_connections(self) -> int:
+        """Connections accepted and not yet closed (0 before :meth:`start` and after :meth:`close`)."""
+        return self._listener.open_connections if self._listener is not None else 0
 
     def uri(self, **params: str) -> DissocURI:
         """The URI clients use to reach this server (with where pairs point, for a data server using them)."""

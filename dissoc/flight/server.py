@@ -57,6 +57,7 @@ from dissoc.flight.common import (
     ticket_name,
 )
 from dissoc.logs import peer_log
+from dissoc.metrics import FLIGHT
 from dissoc.tokens import Claims, Scope, Secret, TokenError, is_signed
 
 if TYPE_CHECKING:
@@ -80,11 +81,34 @@ DEFAULT_MAX_PUT_BYTES: Final = 1 << 30
 AUTH_HEADER: Final = "authorization"
 #: The key the authentication middleware is registered under (``context.get_middleware``).
 _AUTH_KEY: Final = "dissoc-auth"
+#: The key the metrics middleware is registered under.
+_METRICS_KEY: Final = "dissoc-metrics"
 
 _ACTIONS: Final = (
     (ACTION_REMOVE, 'Stop serving a dataset to new requests; body: its ticket. Result: JSON {"removed"}.'),
     (ACTION_LIST_TICKETS, "The tickets served. Result: one JSON list of strings."),
 )
+
+
+def _method_name(info: Any) -> str:
+    """A call's method as a metric label: ``do_get``, ``list_flights``... (from ``FlightMethod.DO_GET``)."""
+    return str(getattr(info, "method", "call")).rpartition(".")[2].lower()
+
+
+def _call_code(error: BaseException | None) -> str:
+    """A finished call's outcome as a metric label: ``ok``, the dissoc error code it carried, else the
+    error's class."""
+    if error is None:
+        return "ok"
+    extra = getattr(error, "extra_info", None)
+    if isinstance(extra, bytes) and extra:
+        try:
+            code = json.loads(extra).get("code")
+        except (ValueError, AttributeError):
+            code = None
+        if isinstance(code, str):
+            return code
+    return type(error).__name__
 
 
 def _error(code: str, message: str) -> Exception:
@@ -418,7 +442,28 @@ def flight_server_class() -> type[paflight.FlightServerBase]:
 
         def start_call(self, info: Any, headers: dict[str, list[str | bytes]]) -> Authenticated:
             method = str(getattr(info, "method", "call")).rpartition(".")[2]
-            return Authenticated(self.handlers.authenticate(headers, method))
+            try:
+                return Authenticated(self.handlers.authenticate(headers, method))
+            except Exception as e:
+                # a call refused here never completes for the other middleware: counted here
+                FLIGHT.calls.inc(_method_name(info), _call_code(e))
+                raise
+
+    class Counted(middleware_base):  # type: ignore[misc]
+        """Counts one call in :data:`dissoc.metrics.FLIGHT` when it completes."""
+
+        def __init__(self, method: str) -> None:
+            super().__init__()
+            self.method = method
+
+        def call_completed(self, exception: BaseException | None) -> None:
+            FLIGHT.calls.inc(self.method, _call_code(exception))
+
+    class Counter(factory_base):  # type: ignore[misc]
+        """Starts a :class:`Counted` for every call (the metrics of the control plane)."""
+
+        def start_call(self, info: Any, headers: dict[str, list[str | bytes]]) -> Counted:
+            return Counted(_method_name(info))
 
     def claims_of(context: paflight.ServerCallContext) -> Claims | None:
         found = context.get_middleware(_AUTH_KEY)
@@ -429,8 +474,11 @@ def flight_server_class() -> type[paflight.FlightServerBase]:
         secret, every call needs a valid bearer token (a middleware checks it before the handler runs)."""
 
         def __init__(self, location: str, handlers: _Handlers, **kwargs: Any) -> None:
+            # (a call the authenticator refuses is counted by the authenticator)
+            middleware = {_METRICS_KEY: Counter(), **kwargs.get("middleware", {})}
             if handlers.secret is not None:
-                kwargs["middleware"] = {**kwargs.get("middleware", {}), _AUTH_KEY: Authenticator(handlers)}
+                middleware[_AUTH_KEY] = Authenticator(handlers)
+            kwargs["middleware"] = middleware
             super().__init__(location, **kwargs)
             self.handlers = handlers
 

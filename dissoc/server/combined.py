@@ -20,4 +20,9 @@ class CombinedServer(DataServer):
     role = Role.COMBINED
 
     def parts(self, conn: Connection, dataset: Dataset, current: Callable[[], bool]) -> list[StreamPart]:
-        return [MetadataPart(), DataPart(conn, dataset, self.options, current, self.private_memory(conn))]
+        return [
+            MetadataPart(),
+            DataPart(
+                conn, dataset, self.options, current, self.private_memory(conn), transport=self.transport
+            ),
+        ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any, Literal, Self
 
@@ -22,6 +23,7 @@ from dissoc.memory.placements import Placements
 from dissoc.memory.private import PrivateArenas
 from dissoc.memory.shm import ShmArena
 from dissoc.metadata_server import MetadataServer
+from dissoc.metrics import Sample, register, unregister
 from dissoc.protocol.ledger import Ledger
 from dissoc.role_server import (
     DEFAULT_IDLE_TIMEOUT,
@@ -297,7 +299,35 @@ class Server:
     async def start(self) -> Self:
         for s in self._servers:
             await s.start()
+        register(self)  # its gauges are read when metrics are scraped (dissoc.metrics)
         return self
+
+    def metrics_samples(self) -> Iterator[Sample]:
+        """This server's gauges for :mod:`dissoc.metrics` (read at scrape time): connections open, bytes
+        awaiting free_data, arena occupancy and evictions, bytes being received."""
+        for s in self._servers:
+            yield "dissoc_server_connections_open", (s.role.value, s.transport), float(s.open_connections)
+        awaiting = self.ledger.live_bytes if self.ledger is not None else 0
+        for s in self._servers:
+            if isinstance(s, DataServer):
+                awaiting += s.private_awaiting_bytes()
+        yield "dissoc_server_awaiting_free_data_bytes", (), float(awaiting)
+        if self.arena is not None and self.served is not None:
+            memory = (self.served.memory,)
+            yield "dissoc_server_arena_used_bytes", memory, float(self.arena.used_bytes)
+            yield "dissoc_server_arena_capacity_bytes", memory, float(self.arena.capacity)
+        if self.placements is not None and self.served is not None:
+            memory = (self.served.memory,)
+            yield "dissoc_server_arena_resident_bytes", memory, float(self.placements.resident_bytes)
+            yield "dissoc_server_arena_placements_total", memory, float(self.placements.placed)
+            yield "dissoc_server_arena_evictions_total", memory, float(self.placements.evicted)
+        if self.private is not None:
+            memory = (self.private.memory,)
+            used = sum(a.arena.used_bytes for a in self.private.arenas())
+            yield "dissoc_server_arena_used_bytes", memory, float(used)
+            yield "dissoc_server_arena_capacity_bytes", memory, float(self.private.budget)
+        if self.receive_budget is not None:
+            yield "dissoc_server_receiving_bytes", (), float(self.receive_budget.used)
 
     @property
     def uri(self) -> str:
@@ -333,6 +363,7 @@ class Server:
         await self._closed.wait()
 
     async def close(self) -> None:
+        unregister(self)  # its counters' last values stay in the totals
         for s in self._servers:
             await s.close()
         if self.placements is not None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from dissoc.buffers import DEFAULT_POOL
 from dissoc.errors import DissocError, TransportError
 from dissoc.logs import peer_log
+from dissoc.metrics import SERVER
 from dissoc.transport.base import (
     DEFAULT_MAX_BUFFERED_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -700,6 +701,9 @@ class TcpListener(Listener):
     def _on_accept(self) -> None:
         for _ in range(64):
             if self._full():
+                SERVER.refusals.inc(
+                    "max_connections"
+                )  # (TCP: accepting pauses; the peer waits in the backlog)
                 peer_log.log(
                     logging.WARNING,
                     ("full", self.address),
@@ -735,6 +739,7 @@ class TcpListener(Listener):
                 return
             peer = str(address[0]) if isinstance(address, tuple) and address else str(address)
             if self._peer_full(peer):
+                SERVER.refusals.inc("max_connections_per_peer")
                 peer_log.log(
                     logging.WARNING,
                     ("peer full", self.address),

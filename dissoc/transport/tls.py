@@ -42,6 +42,7 @@ from typing import Any, TypeAlias
 
 from dissoc.errors import DissocError, TransportError
 from dissoc.logs import peer_log
+from dissoc.metrics import SERVER
 from dissoc.transport.base import (
     DEFAULT_MAX_BUFFERED_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -487,6 +488,7 @@ class TlsConnection(TcpConnection):
 
     def _handshake_failed(self, exc: TransportError) -> None:
         if self._server_side:
+            SERVER.refusals.inc("tls_handshake")  # failed, timed out, or plaintext
             peer_log.log(logging.INFO, ("tls handshake failed",), "%s", exc)
             # Read what the client sent since: closing with unread bytes would reset the connection, and the
             # reset could discard the alert that says why before the client reads it.

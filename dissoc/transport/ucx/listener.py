@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from dissoc.errors import TransportError
 from dissoc.logs import peer_log
+from dissoc.metrics import SERVER
 from dissoc.transport.base import (
     DEFAULT_MAX_BUFFERED_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -252,6 +253,7 @@ class UcxListener(Listener):
         monitor it opened."""
         driver: Driver | None = None
         if self._full():
+            SERVER.refusals.inc("max_connections")
             peer_log.log(
                 logging.WARNING,
                 ("full", self.address),
@@ -330,6 +332,8 @@ class UcxListener(Listener):
             limit = self._max_connections
             busy = self._open + len(self._handshakes)
             if (limit is not None and busy >= limit) or (peer is not None and self._peer_full(peer)):
+                per_peer = peer is not None and self._peer_full(peer)
+                SERVER.refusals.inc("max_connections_per_peer" if per_peer else "max_connections")
                 peer_log.log(
                     logging.WARNING,
                     ("full", self.address),
