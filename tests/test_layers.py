@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dissoc"
 #: only; rooms on one floor do not import each other.
 FLOORS: list[set[str]] = [
     {"errors"},
-    {"buffers", "uri", "logs", "tokens", "metrics"},
+    {"buffers", "uri", "logs", "tokens", "metrics", "config"},
     {"codec", "protocol"},
     {"transport"},
     {"memory", "connection_pool"},
@@ -26,6 +26,7 @@ FLOORS: list[set[str]] = [
     {"server"},
     {"flight"},
     {"client"},
+    {"health"},
     {"cli", "demo", "__init__"},  # the package's front door: its lazy names (Server, fetch, ...) are typed
     {"spark"},  # its worker probe imports the package itself
 ]
