@@ -194,6 +194,11 @@ def _build(dockerfile: str, tag: str, *extra: str) -> float:
         context.unlink()
     assert done.returncode == 0, f"building {tag} failed:\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
     seconds = time.monotonic() - started
+    # The builder stages of earlier builds stay behind as untagged images (the legacy builder's cache): drop
+    # those older than this run, so that repeated runs do not fill the disk.
+    _docker(
+        "image", "prune", "-f", "--filter", "label=dissoc.stage=builder", "--filter", "until=20m", check=False
+    )
     print(f"built {tag} from {dockerfile} on {BASE_TAG} in {seconds:.1f} s")
     return seconds
 
