@@ -342,8 +342,9 @@ def containers() -> Iterator[Containers]:
 
 
 #: What UCX (and dissoc's shared-memory pairs) need of a container on the same host: docker/README.md.
-def _ucx_run_flags() -> list[str]:
-    return ["--network", "host", "--ipc", "host", "--cap-add", "SYS_PTRACE", "--ulimit", _memlock()]
+def _ucx_run_flags(pid_host: bool = False) -> list[str]:
+    pid = ["--pid", "host"] if pid_host else []
+    return ["--network", "host", "--ipc", "host", *pid, "--cap-add", "SYS_PTRACE", "--ulimit", _memlock()]
 
 
 # ------------------------------------------------------------------------------------------------ CPU image
@@ -375,12 +376,21 @@ def test_cpu_image_is_dissoc_as_a_non_root_user(cpu_image: str) -> None:
         pytest.param([], id="tcp"),
         pytest.param(["--split"], id="tcp-split"),
         pytest.param(["--transport", "ucx"], id="ucx"),
+        pytest.param(["--transport", "ucx", "pid-host"], id="ucx-pid-host"),
         pytest.param(["--body", "pairs", "--memory", "shm", "--arena-mib", "64"], id="tcp-pairs-shm"),
+        pytest.param(
+            ["--body", "pairs", "--memory", "shm", "--arena-mib", "64", "zero-copy"],
+            id="tcp-pairs-shm-zero-copy",
+        ),
     ],
 )
 def test_serve_in_one_container_get_in_another(
     cpu_image: str, containers: Containers, tmp_path: Path, serve_flags: list[str]
 ) -> None:
+    # Both containers in the host's PID namespace, or both in their own (docker/README.md: never mixed).
+    pid_host = "pid-host" in serve_flags
+    zero_copy = "zero-copy" in serve_flags  # the client maps the server's arena (both: --ipc host)
+    serve_flags = [f for f in serve_flags if f not in ("pid-host", "zero-copy")]
     table = _sample_table()
     source = tmp_path / "sample.arrow"
     _write_arrow(source, table)
@@ -392,7 +402,7 @@ def test_serve_in_one_container_get_in_another(
     port = _free_port()
     data_port = _free_port() if "--split" in serve_flags else 0
     _docker(
-        "run", "-d", "--name", server, *_ucx_run_flags(),
+        "run", "-d", "--name", server, *_ucx_run_flags(pid_host),
         "-v", f"{source}:/data/sample.arrow:ro",
         cpu_image, "serve", "/data/sample.arrow", "--port", str(port), "--data-port", str(data_port),
         *serve_flags, timeout=120,
@@ -400,12 +410,14 @@ def test_serve_in_one_container_get_in_another(
     line = _wait_for_lines(server, "uri")[0]
     assert line["ticket"] == "sample"
     get = ["get", line["uri"], "sample", "--no-progress", "-o", "/out/got.arrow", "--timeout", "60"]
+    if zero_copy:
+        get.append("--zero-copy")
     if "--split" in serve_flags:
         assert line["data_uri"] != line["uri"]
         get += ["--data-uri", line["data_uri"]]
     client = containers.name("get")
     done = _docker(
-        "run", "--name", client, *_ucx_run_flags(), "-v", f"{out}:/out", cpu_image, *get, timeout=300
+        "run", "--name", client, *_ucx_run_flags(pid_host), "-v", f"{out}:/out", cpu_image, *get, timeout=300
     )
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     print(f"{serve_flags}: {summary}")
@@ -503,6 +515,8 @@ def _run_args(
         args += ["--network", "host"]
     if svc.get("ipc"):
         args += ["--ipc", svc["ipc"]]
+    if svc.get("pid"):
+        args += ["--pid", svc["pid"]]
     for cap in svc.get("cap_add", []):
         args += ["--cap-add", cap]
     for limit, value in svc.get("ulimits", {}).items():
