@@ -420,7 +420,7 @@ def test_serve_in_one_container_get_in_another(
         "run", "--name", client, *_ucx_run_flags(pid_host), "-v", f"{out}:/out", cpu_image, *get, timeout=300
     )
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"{serve_flags}: {summary}")
+    print(f"serve {serve_flags}, --pid host: {pid_host}, --zero-copy: {zero_copy}: {summary}")
     assert summary["rows"] == ROWS
     got = _read_arrow(out / "got.arrow")
     assert got.num_rows == ROWS
