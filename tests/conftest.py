@@ -1,16 +1,20 @@
 """Test groups that default to what is installed.
 
 Hypothesis runs derandomized when ``CI`` is set (profile ``ci``). Markers: ``ucx`` (needs ucxx), ``gpu``
-(needs cupy and a CUDA device), ``spark`` (needs pyspark and Java),
+(needs cupy and a CUDA device), ``spark`` (needs pyspark and Java), ``docker`` (builds and runs the images of
+docker/: needs a docker daemon that answers and, until its base image is built, debootstrap run as root),
 ``slow``. A marked test whose dependency is missing is skipped with a reason that names it; ``slow`` tests run
-by default (deselect with ``-m "not slow"``).
+by default (deselect with ``-m "not slow"``). ``docker`` tests build images for minutes, so they run only
+when selected (``-m docker``) or with ``DISSOC_DOCKER_TESTS=1``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
+import subprocess
 from functools import cache
 
 import pytest
@@ -59,6 +63,41 @@ def _missing(marker: str) -> str | None:
     return None
 
 
+@cache
+def _docker_missing() -> str | None:
+    """None when the docker group can run here, else why not."""
+    if shutil.which("docker") is None:
+        return "the docker CLI is not installed"
+    try:
+        done = subprocess.run(
+            ["docker", "version", "--format", "{{.Server.Version}}"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except subprocess.TimeoutExpired:
+        return "no docker daemon answers ('docker version' timed out)"
+    if done.returncode != 0:
+        said = (done.stderr.strip().splitlines() or ["docker version failed"])[-1]
+        return f"no docker daemon answers ({said})"
+    base = os.environ.get("DISSOC_DOCKER_BASE", "dissoc-base:bookworm")
+    has_base = (
+        subprocess.run(["docker", "image", "inspect", base], capture_output=True, timeout=60).returncode == 0
+    )
+    if not has_base:
+        if shutil.which("debootstrap") is None:
+            return f"debootstrap is not installed (it builds the base image {base}; or build it elsewhere)"
+        if os.geteuid() != 0:
+            return f"debootstrap needs root to build the base image {base} (docker/base-from-debian.sh)"
+    return None
+
+
+def _docker_selected(config: pytest.Config) -> bool:
+    if os.environ.get("DISSOC_DOCKER_TESTS") == "1":
+        return True
+    return re.search(r"\bdocker\b", str(config.getoption("markexpr", "") or "")) is not None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         for marker in ("ucx", "gpu", "spark"):
@@ -66,3 +105,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 reason = _missing(marker)
                 if reason is not None:
                     item.add_marker(pytest.mark.skip(reason=reason))
+        if item.get_closest_marker("docker") is not None:
+            if not _docker_selected(config):
+                reason = (
+                    "builds docker images for minutes: run with 'pytest -m docker' or DISSOC_DOCKER_TESTS=1"
+                )
+            else:
+                reason = _docker_missing()
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
