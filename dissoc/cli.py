@@ -613,6 +613,7 @@ async def _get(args: argparse.Namespace) -> int:
                 if writer is None:
                     writer = _open_writer(args.output, host.schema)
                 writer.write_batch(host)
+                del host  # zero copy: a batch still referenced here would keep its ranges from settle()
             del batch
             progress.update(count, nbytes, started)
         rows = stats.rows
@@ -768,8 +769,8 @@ def main(argv: list[str] | None = None) -> int:
             level = logging.getLevelName(args.log_level.upper())
     configure(level, log_format)
     if layered is not None:
-        for name in layered.unknown_env:
-            log.warning("environment variable %s names no 'dissoc serve' option: ignored", name)
+        for name, like in layered.unknown_env:
+            log.warning("environment variable %s names no 'dissoc serve' option (%s?): ignored", name, like)
         for dest, source in layered.sources.items():
             if source not in ("default", "flag"):
                 log.info("%s from %s", dest, source)

@@ -10,8 +10,9 @@ strings in the file, or ``DISSOC_PATHS`` separated like ``PATH`` (``os.pathsep``
 
 Every value goes through the same checks as the flag's; a value that fails them, or a key of the file that
 names no option, is a :class:`ConfigError` that names the key and where it came from. An environment
-variable starting with ``DISSOC_`` that names no option is warned about, not refused: the environment is
-shared with the other commands and tools (``DISSOC_TOKEN`` is ``dissoc get``'s).
+variable starting with ``DISSOC_`` that names no option is not refused: the environment is
+shared with the other commands and tools (``DISSOC_TOKEN`` is ``dissoc get``'s); so only a variable that
+looks like an option's (a likely typo) is warned about.
 
 Nothing here reads sockets or starts servers: it works on an ``argparse`` parser and its result.
 """
@@ -19,6 +20,7 @@ Nothing here reads sockets or starts servers: it works on an ``argparse`` parser
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import tomllib
 from collections.abc import Mapping
@@ -34,8 +36,11 @@ __all__ = ["ENV_PREFIX", "ConfigError", "Layered", "layer", "track_defaults"]
 ENV_PREFIX = "DISSOC_"
 #: The option naming the configuration file (itself only from the flag or the environment).
 CONFIG_KEY = "config"
-#: Variables that belong to other commands or tools, never warned about.
-OTHER_VARIABLES = frozenset({"DISSOC_TOKEN", "DISSOC_CONFIG"})
+#: Variables of dissoc's other parts (``dissoc get``'s token, the device backend, the Spark exchange's host,
+#: the images' health check), never taken for options.
+OTHER_VARIABLES = frozenset(
+    {"DISSOC_TOKEN", "DISSOC_CONFIG", "DISSOC_DEVICE_BACKEND", "DISSOC_SPARK_HOST", "DISSOC_HEALTH_URI"}
+)
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -60,7 +65,8 @@ class Layered:
     """Where each option's value came from: ``"flag"``, ``"env DISSOC_X"``, ``"file F"`` or ``"default"``."""
 
     sources: dict[str, str] = field(default_factory=dict)
-    unknown_env: list[str] = field(default_factory=list)
+    #: ``DISSOC_*`` variables that name no option but look like one's (each with that option's variable).
+    unknown_env: list[tuple[str, str]] = field(default_factory=list)
 
 
 def track_defaults(parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -87,11 +93,13 @@ def layer(
     actions = {_key(a): a for a in _options(parser)}
     result = Layered()
     file_values = _read_file(config_file, actions) if config_file else {}
+    option_variables = {ENV_PREFIX + k.upper().replace("-", "_"): k for k in actions if k != CONFIG_KEY}
     for name in sorted(environ):
-        if name.startswith(ENV_PREFIX) and name not in OTHER_VARIABLES:
-            key = name[len(ENV_PREFIX) :].lower().replace("_", "-")
-            if key not in actions:
-                result.unknown_env.append(name)
+        if name.startswith(ENV_PREFIX) and name not in OTHER_VARIABLES and name not in option_variables:
+            # a variable like an option's but not one is most likely a typo; others are someone else's
+            close = difflib.get_close_matches(name, option_variables, n=1, cutoff=0.85)
+            if close:
+                result.unknown_env.append((name, close[0]))
     for key, action in actions.items():
         dest = action.dest
         if getattr(args, dest, _UNSET) is not _UNSET:
