@@ -3,8 +3,8 @@
     result = await dissoc.health.check("tcp://127.0.0.1:9000?want_data=1465007700")
     result.healthy, result.answer, result.seconds
 
-A dissoc server (``tcp://``, ``tls://``, ``ucx://``; metadata, data or combined) is asked for the empty
-ticket: a want_data with no payload, which servers answer at once with the error code ``empty_ticket``
+A dissoc server (``tcp://``, ``tls://``, ``ucx://``; metadata, data or combined; a URI without
+``want_data`` means the servers' default tag) is asked for the empty ticket: a want_data with no payload, which servers answer at once with the error code ``empty_ticket``
 (logged at debug level, not counted as a refused ticket, whatever the server's secret). Any well-formed
 answer means the server serves requests; no answer within the timeout, a refused connection or a reply that
 is not a Dissociated IPC message means it does not. A Flight control plane (``grpc://``, ``grpc+tls://``)
@@ -78,7 +78,7 @@ async def check(
             if is_flight_location(uri):
                 answer = await asyncio.to_thread(_ask_flight, uri, timeout, options)
             else:
-                answer = await _ask_dissoc(DissocURI.parse(uri), options)
+                answer = await _ask_dissoc(_with_want_data(uri), options)
     except TimeoutError:
         return Health(uri, False, time.perf_counter() - started, error=f"no answer within {timeout:g} s")
     except DissocError as e:
@@ -89,6 +89,15 @@ async def check(
 def check_sync(uri: str, *, timeout: float = DEFAULT_TIMEOUT, options: ClientOptions | None = None) -> Health:
     """:func:`check` from synchronous code (runs its own event loop)."""
     return asyncio.run(check(uri, timeout=timeout, options=options))
+
+
+def _with_want_data(uri: str) -> DissocURI:
+    """``uri`` parsed; one without ``want_data`` (``tcp://HOST:PORT``) gets the servers' default tag."""
+    if "want_data=" not in uri:
+        from dissoc.server.server import DEFAULT_WANT_DATA
+
+        uri += ("&" if "?" in uri else "?") + f"want_data={DEFAULT_WANT_DATA}"
+    return DissocURI.parse(uri)
 
 
 async def _ask_dissoc(uri: DissocURI, options: ClientOptions) -> str:

@@ -41,6 +41,16 @@ async def test_every_server_answers_the_probe_and_still_serves(split: bool) -> N
         assert got.equals(table)
 
 
+async def test_a_uri_without_want_data_means_the_default_tag() -> None:
+    async with Server({"t": sample_table(batches=1)}) as server:
+        bare = server.uri.split("?")[0]
+        result = await check(bare, timeout=5)
+        assert result.healthy and result.answer == EMPTY_TICKET, result
+    async with Server({"t": sample_table(batches=1)}, want_data=12345) as server:
+        result = await check(server.uri.split("?")[0], timeout=1)
+        assert not result.healthy  # another tag: the server waits for its own, the probe times out
+
+
 async def test_nothing_listening_is_unhealthy() -> None:
     async with RawServer() as raw:
         uri = raw.uri()
