@@ -561,12 +561,8 @@ def _run_args(
     return [*args, svc["image"], *command]
 
 
-def _wait_healthy(container: str, has_health: bool) -> None:
-    """Until the container's healthcheck passes; without a ``dissoc health`` in the image, until its ready
-    lines (what the healthcheck would see: the servers answer)."""
-    if not has_health:
-        _wait_for_lines(container, "uri")
-        return
+def _wait_healthy(container: str) -> None:
+    """Until the container's healthcheck (``dissoc health``) passes."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         status = _docker("inspect", "-f", "{{.State.Health.Status}}", container, timeout=30).stdout.strip()
@@ -578,16 +574,13 @@ def _wait_healthy(container: str, has_health: bool) -> None:
     )
 
 
-def _compose_by_hand(compose: Path, env: dict[str, str], image: str, containers: Containers) -> str:
+def _compose_by_hand(compose: Path, env: dict[str, str], containers: Containers) -> str:
     """Start docker/compose.yaml's services with ``docker run``, in dependency order, as compose would; the
     client job's output."""
     yaml = pytest.importorskip("yaml", reason="starting the compose services needs pyyaml (the 'dev' extra)")
     spec = _interpolate(yaml.safe_load(compose.read_text()), env)
     project = f"{containers.prefix}-{spec.get('name', 'dissoc')}"
     services: dict[str, Any] = spec["services"]
-    has_health = (
-        _docker("run", "--rm", "--network", "host", image, "health", "--help", check=False).returncode == 0
-    )
     started: dict[str, str] = {}
     for name in _order(services):
         svc = services[name]
@@ -596,7 +589,7 @@ def _compose_by_hand(compose: Path, env: dict[str, str], image: str, containers:
                 code = _docker("wait", started[dep], timeout=300).stdout.strip()
                 assert code == "0", _docker("logs", started[dep], check=False).stderr[-3000:]
             elif condition == "service_healthy":
-                _wait_healthy(started[dep], has_health)
+                _wait_healthy(started[dep])
         args = _run_args(project, name, svc, spec, compose.parent, containers)
         started[name] = args[args.index("--name") + 1]
         _docker(*args, timeout=120)
@@ -649,7 +642,7 @@ def test_compose_services_serve_through_the_control_plane(
         finally:
             _docker(*base, "down", "--volumes", env=env, check=False, timeout=300)
     else:
-        output = _compose_by_hand(compose, env, cpu_image, containers)
+        output = _compose_by_hand(compose, env, containers)
     print(output)
     summary = json.loads([x for x in output.splitlines() if '"rows"' in x and '"check"' not in x][-1])
     check = json.loads([x for x in output.splitlines() if '"check"' in x][-1])
