@@ -30,6 +30,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -604,6 +605,25 @@ def _compose_by_hand(compose: Path, env: dict[str, str], containers: Containers)
     return logs.stdout
 
 
+def _scrape_services(env: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Each compose service's Prometheus endpoint, parsed with prometheus-client's own parser: the sum of
+    each counter's samples over its labels."""
+    parser = pytest.importorskip("prometheus_client.parser", reason="needs prometheus-client (metrics extra)")
+    host = env["DISSOC_HOST"]
+    counted: dict[str, dict[str, float]] = {}
+    for service in ("metadata", "data", "flight"):
+        port = env[f"DISSOC_{service.upper()}_METRICS_PORT"]
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        sums: dict[str, float] = {}
+        for family in parser.text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+        counted[service] = sums
+    return counted
+
+
 def _has_compose() -> bool:
     return _docker("compose", "version", check=False, timeout=60).returncode == 0
 
@@ -627,6 +647,9 @@ def test_compose_services_serve_through_the_control_plane(
         "DISSOC_PORT": str(_free_port()),
         "DISSOC_DATA_PORT": str(_free_port()),
         "DISSOC_FLIGHT_PORT": str(_free_port()),
+        "DISSOC_METADATA_METRICS_PORT": str(_free_port()),
+        "DISSOC_DATA_METRICS_PORT": str(_free_port()),
+        "DISSOC_FLIGHT_METRICS_PORT": str(_free_port()),
     }
     compose = DOCKER_DIR / "compose.yaml"
     if _has_compose():
@@ -639,11 +662,18 @@ def test_compose_services_serve_through_the_control_plane(
             done = _docker(*base, "run", "--rm", "client", env=env, check=False, timeout=600)
             assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
             output = done.stdout
+            counted = _scrape_services(env)
         finally:
             _docker(*base, "down", "--volumes", env=env, check=False, timeout=300)
     else:
         output = _compose_by_hand(compose, env, containers)
+        counted = _scrape_services(env)
     print(output)
+    print("metrics:", counted)
+    # each service counted its part of the job's fetch
+    assert counted["metadata"]["dissoc_server_streams_finished_total"] >= 1
+    assert counted["data"]["dissoc_server_sent_bytes_total"] >= 5_000_000
+    assert counted["flight"]["dissoc_flight_calls_total"] >= 1
     summary = json.loads([x for x in output.splitlines() if '"rows"' in x and '"check"' not in x][-1])
     check = json.loads([x for x in output.splitlines() if '"check"' in x][-1])
     assert check == {"check": "ok", "rows": 200_000, "expected": 200_000}
