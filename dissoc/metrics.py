@@ -586,18 +586,73 @@ class MetricsServer:
         self.close()
 
 
+def _serve_wsgi(app: Any, host: str, port: int, max_connections: int, timeout: float) -> Any:
+    """A threading WSGI server for ``app`` bound to ``host:port`` (not yet serving), bounded in connections
+    and in the time a request may take to arrive."""
+    import socket
+    import socketserver
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    slots = threading.BoundedSemaphore(max_connections)
+    read_timeout = timeout
+
+    class Handler(WSGIRequestHandler):
+        timeout = read_timeout  # reads of the request line and headers: a silent client is dropped
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # no line per scrape on stderr
+
+    class Server(socketserver.ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if not slots.acquire(blocking=False):
+                SERVER.refusals.inc("metrics_connections")
+                self.shutdown_request(request)
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                slots.release()
+                raise
+
+        def process_request_thread(self, request: Any, client_address: Any) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                slots.release()
+
+    return make_server(host, port, app, server_class=Server, handler_class=Handler)
+
+
+#: Connections the metrics endpoint serves at once; one more is closed at once (a scraper needs one).
+MAX_METRICS_CONNECTIONS = 16
+#: Seconds the metrics endpoint waits for a request's bytes before it drops the connection.
+METRICS_TIMEOUT = 5.0
+
+
 def start_http_server(
     port: int = 0,
     host: str = "127.0.0.1",
     *,
     registry: CollectorRegistry | None = None,
     process: bool = True,
+    max_connections: int = MAX_METRICS_CONNECTIONS,
+    timeout: float = METRICS_TIMEOUT,
 ) -> MetricsServer:
     """Serve ``http://HOST:PORT/metrics`` from a daemon thread (port 0 picks a free one; see
     :attr:`MetricsServer.url`): ``registry``, by default a fresh one holding :func:`collector` and, with
     ``process``, prometheus-client's process, platform and garbage-collector metrics. Needs
-    prometheus-client (``pip install 'dissoc[metrics]'``); close it with :meth:`MetricsServer.close`."""
+    prometheus-client (``pip install 'dissoc[metrics]'``); close it with :meth:`MetricsServer.close`.
+
+    Bounded like the data ports: at most ``max_connections`` connections are served at once (one more is
+    closed at once, counted as the refusal ``metrics_connections``), and a connection that has not sent its
+    request within ``timeout`` seconds is dropped, so a client that opens connections and sends nothing holds
+    neither threads nor sockets for long."""
     prom = _prometheus()
+    if max_connections < 1 or not timeout > 0:
+        raise DissocError(f"max_connections must be >= 1 and timeout > 0, got {max_connections}, {timeout}")
     if registry is None:
         registry = prom.CollectorRegistry(auto_describe=True)
         registry.register(collector())
@@ -606,7 +661,9 @@ def start_http_server(
             prom.PlatformCollector(registry=registry)
             prom.GCCollector(registry=registry)
     try:
-        httpd, thread = prom.start_http_server(port, addr=host, registry=registry)
+        httpd = _serve_wsgi(prom.make_wsgi_app(registry), host, port, max_connections, timeout)
     except OSError as e:
         raise DissocError(f"serving metrics on {host}:{port} failed: {e}") from None
+    thread = threading.Thread(target=httpd.serve_forever, name="dissoc-metrics", daemon=True)
+    thread.start()
     return MetricsServer(httpd, thread, host)

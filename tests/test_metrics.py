@@ -172,6 +172,41 @@ def test_start_http_server_serves_metrics_on_a_free_port_and_stops() -> None:
         urllib.request.urlopen(exporter.url, timeout=5)
 
 
+def test_the_endpoint_bounds_connections_and_drops_silent_ones() -> None:
+    import socket
+    import time
+
+    exporter = metrics.start_http_server(0, "127.0.0.1", max_connections=2, timeout=0.5)
+    key = (("reason", "metrics_connections"),)
+
+    def refused() -> float:
+        return server_metrics().get("dissoc_server_refusals_total", {}).get(key, 0)
+
+    refused_before = refused()
+    idle = [socket.create_connection(("127.0.0.1", exporter.port), timeout=5) for _ in range(2)]
+    try:
+        time.sleep(0.1)  # both accepted and waiting for a request
+        with socket.create_connection(("127.0.0.1", exporter.port), timeout=5) as third:
+            assert third.recv(1) == b""  # closed at once: no slot left
+        assert refused() == refused_before + 1
+        started = time.monotonic()
+        for sock in idle:
+            sock.settimeout(5)
+            sock.recv(1024)  # the server gives up on a request that never comes (and closes)
+        assert time.monotonic() - started < 3
+        # the slots are free again: a scrape works
+        assert "dissoc_server_refusals_total" in scrape(exporter.url)
+    finally:
+        for sock in idle:
+            sock.close()
+        exporter.close()
+
+
+def test_endpoint_bounds_are_checked() -> None:
+    with pytest.raises(DissocError, match="max_connections"):
+        metrics.start_http_server(0, max_connections=0)
+
+
 # ---------------------------------------------------------------------------------- dissoc serve --metrics
 
 
