@@ -967,7 +967,10 @@ async def _stream_one(
     begun = time.monotonic()  # 0.0 once the first batch was decoded
     previous = stream_id.set(new_stream_id())  # the session's tasks, made next, log with it
     session = _Session(meta, data, _ticket_bytes(ticket), opts)
-    log.debug("stream of %r from %s", ticket if isinstance(ticket, str) else f"<{len(ticket)} bytes>", meta)
+    if log.isEnabledFor(logging.DEBUG):
+        # a signed ticket is a credential: not even part of it goes to the log
+        shown = "<signed ticket>" if is_signed(ticket) else repr(ticket[:64])
+        log.debug("stream of %s from %s", shown, meta)
     _live.add(session)
     try:
         first: MessageReady | SchemaReceived | StreamEnded | None = None

@@ -4,7 +4,8 @@
     result.healthy, result.answer, result.seconds
 
 A dissoc server (``tcp://``, ``tls://``, ``ucx://``; metadata, data or combined; a URI without
-``want_data`` means the servers' default tag) is asked for the empty ticket: a want_data with no payload, which servers answer at once with the error code ``empty_ticket``
+``want_data`` means the servers' default tag) is asked for the empty ticket: a want_data with no payload,
+which servers answer at once with the error code ``empty_ticket``
 (logged at debug level, not counted as a refused ticket, whatever the server's secret). Any well-formed
 answer means the server serves requests; no answer within the timeout, a refused connection or a reply that
 is not a Dissociated IPC message means it does not. A Flight control plane (``grpc://``, ``grpc+tls://``)

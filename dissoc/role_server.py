@@ -404,7 +404,8 @@ class RoleServer(abc.ABC):
         ticket: bytes | str = bytes(request.view())
         stream_id.set(new_stream_id())  # this request's lines carry it, until the next request on conn
         if not ticket:
-            # The health probe (dissoc.health): answered at once, before any token check, counted nowhere.
+            # The health probe (dissoc.health): answered at once, before any token check; a want_data, not a
+            # refusal.
             log.debug("empty want_data on %s: answered %s", conn.description, EMPTY_TICKET)
             await self.send_error(conn, encode_error(0, EMPTY_TICKET, "want_data carried no ticket"))
             return
