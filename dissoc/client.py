@@ -764,10 +764,18 @@ class _Session:
         return batch
 
     async def flush_frees(self) -> None:
-        """Send the addresses freed so far as one free_data message."""
+        """Send the addresses freed so far as one free_data message.
+
+        A connection that is gone cannot take it, and needs none: a server releases what it listed on a
+        connection when that closes. A stream still missing messages fails through :meth:`connection_failed`;
+        one received whole (copy-mode pairs, all copied out before the server went) is not failed here."""
         if self.to_free and self.data_conn is not None and self.data_uri.free_data is not None:
             addresses, self.to_free = self.to_free, []
-            await self.data_conn.send_tagged(self.data_uri.free_data, encode_free(addresses))
+            try:
+                await self.data_conn.send_tagged(self.data_uri.free_data, encode_free(addresses))
+            except TransportError as e:
+                log.debug("free_data of %d ranges not sent (the connection is gone): %s", len(addresses), e)
+                return
             CLIENT.free_data.inc(self.data_uri.scheme)
 
     async def close(self) -> None:

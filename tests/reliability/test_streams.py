@@ -240,7 +240,9 @@ async def test_a_sequence_number_far_ahead_is_a_jump_not_a_duplicate() -> None:
 @pytest.fixture(scope="module")
 def ipc_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("killed") / "big.arrow"
-    table = ordered_table(40, 1 << 18)  # 2 MiB a batch
+    # 2 MiB a batch; more than a burst the client decodes at once (64 MiB) and more than the server lists
+    # while the consumer sleeps, so that the stream is never whole before the kill
+    table = ordered_table(100, 1 << 18)
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
         for b in table.to_batches():
             writer.write_batch(b)
@@ -316,3 +318,24 @@ async def test_a_server_killed_mid_stream_is_a_prompt_transport_error(
     print(f"\n{name}: TransportError {elapsed:.3f} s after the kill, {received} batches")
     assert 1 < received < 40
     assert elapsed < KILL_BOUND, f"the error came {elapsed:.2f} s after the kill (timeout {CLIENT_TIMEOUT} s)"
+
+
+async def test_a_stream_received_whole_survives_its_server_dying_before_it_is_read(tmp_path: Path) -> None:
+    """Copy-mode pairs: every batch was listed, copied and the end of the stream seen, then the server is
+    killed while the consumer is still working through them. The data is all here: the stream ends
+    normally, with every batch (its last free_data, which a server that left needs no more, is dropped)."""
+    table = ordered_table(6, 4096)
+    path = tmp_path / "whole.arrow"
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        for b in table.to_batches():
+            writer.write_batch(b)
+    opts = ClientOptions(timeout=CLIENT_TIMEOUT)
+    with _serving("--body", "pairs", "--memory", "shm", "--arena-mib", "16", str(path)) as (proc, line):
+        got = []
+        async for batch in stream_batches(line["uri"], "whole", data_uri=line["data_uri"], options=opts):
+            got.append(batch)
+            if len(got) == 1:
+                await asyncio.sleep(1.0)  # the rest arrives, with the end of the stream
+                proc.send_signal(signal.SIGKILL)
+                await asyncio.to_thread(proc.wait, 10)
+    assert pa.Table.from_batches(got).equals(table)
