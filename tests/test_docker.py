@@ -4,9 +4,10 @@ The ``docker`` group builds a Debian bookworm base with ``docker/base-from-debia
 ``dissoc-base:bookworm`` and reused while it exists), the CPU image on it, and the GPU image; it runs
 ``dissoc serve`` in one container and ``dissoc get`` in another over TCP and UCX, runs the compose file's
 services (with ``docker compose`` when the engine has it, else the same services started here from the
-compose file's own settings), and checks the data fetched against the table served. Image builds take
-minutes, so the group runs only when selected (``pytest -m docker``) or with ``DISSOC_DOCKER_TESTS=1``
-(``tests/conftest.py``). Containers use the host's network (``--network host``) and are removed at the end.
+compose file's own settings), and checks the data fetched against the table served. Like the other groups
+it runs wherever it can, a daemon answering (about two minutes of builds; ``DISSOC_DOCKER_TESTS=0`` leaves
+it out: ``tests/conftest.py``). Containers use the host's network (``--network host``) and are removed at
+the end.
 
 Site settings reach the builds from this machine's own pip configuration (``pip config list``, ``PIP_*``):
 an http(s) index URL and extra index URLs as build arguments, and the CA bundle pip trusts as a file in a
