@@ -327,3 +327,20 @@ def cli_server(
 
 async def collect(agen: AsyncIterator[pa.RecordBatch]) -> list[pa.RecordBatch]:
     return [b async for b in agen]
+
+
+async def ask_raw(conn: Any, want_data: int, ticket: bytes, *, send: bool = True) -> tuple[str, Any]:
+    """One request on a raw combined connection (``send=False``: the answer to one sent before): ("eos",
+    EndOfStream) or ("error", ErrorMessage); reads the metadata stream only, so pair lists pile up unread
+    and are never freed (a client that holds what it was listed)."""
+    from dissoc.protocol import MessageType, decode_stream_message
+
+    if send:
+        await conn.send_tagged(want_data, ticket)
+    while True:
+        buf = await conn.recv()
+        kind = bytes(buf[:1])[0]
+        if kind == MessageType.END_OF_STREAM:
+            return "eos", decode_stream_message(buf)
+        if kind == MessageType.ERROR:
+            return "error", decode_stream_message(buf)

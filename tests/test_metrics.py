@@ -16,13 +16,12 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from e2e_helpers import PYTHON, REPO, cli_server, eventually, ordered_table, sample_table, within
+from e2e_helpers import PYTHON, REPO, ask_raw, cli_server, eventually, ordered_table, sample_table, within
 
 import dissoc.metrics as metrics
 from dissoc.client import ClientOptions, fetch_async, stream_batches
 from dissoc.errors import DissocError, RemoteError
 from dissoc.metrics import Histogram, Sample, client_metrics, server_metrics
-from dissoc.protocol import MessageType, decode_stream_message
 from dissoc.server import Server
 from dissoc.tokens import Secret
 from dissoc.transport import connect
@@ -385,30 +384,16 @@ async def test_deadline_drops_are_counted_by_reason() -> None:
         # another asks at once, reads its stream to the end, then idles: dropped after idle_timeout
         idle = await connect(uri.scheme, uri.host, uri.port)
         try:
-            outcome, _ = await within(10, _ask(idle, uri.want_data, b"t"))
+            outcome, _ = await within(10, ask_raw(idle, uri.want_data, b"t"))
             assert outcome == "eos"
             with pytest.raises(DissocError):
-                await within(10, _ask(idle, uri.want_data, b"t", send=False))
+                await within(10, ask_raw(idle, uri.want_data, b"t", send=False))
         finally:
             await idle.close()
     after = server_metrics()
     for reason in ("want_data_timeout", "idle_timeout"):
         name = "dissoc_server_refusals_total"
         assert snap_total(after, name, reason=reason) - snap_total(before, name, reason=reason) == 1, reason
-
-
-async def _ask(conn: Any, want_data: int, ticket: bytes, *, send: bool = True) -> tuple[str, Any]:
-    """One request on a raw combined connection: ("eos", count) or ("error", ErrorMessage); reads the metadata
-    stream only (pair lists pile up unread, never freed)."""
-    if send:
-        await conn.send_tagged(want_data, ticket)
-    while True:
-        buf = await conn.recv()
-        kind = bytes(buf[:1])[0]
-        if kind == MessageType.END_OF_STREAM:
-            return "eos", decode_stream_message(buf)
-        if kind == MessageType.ERROR:
-            return "error", decode_stream_message(buf)
 
 
 async def test_a_client_over_its_unfreed_quota_is_counted() -> None:
@@ -418,11 +403,11 @@ async def test_a_client_over_its_unfreed_quota_is_counted() -> None:
         uri = server.uris[0]
         hostile = await connect(uri.scheme, uri.host, uri.port)
         try:
-            outcome, _ = await within(10, _ask(hostile, uri.want_data, b"t"))
+            outcome, _ = await within(10, ask_raw(hostile, uri.want_data, b"t"))
             assert outcome == "eos"
             held = snap_total(server_metrics(), "dissoc_server_awaiting_free_data_bytes")
             assert held >= table.nbytes  # listed, never freed
-            outcome, error = await within(10, _ask(hostile, uri.want_data, b"t"))
+            outcome, error = await within(10, ask_raw(hostile, uri.want_data, b"t"))
             assert (outcome, error.code) == ("error", "quota_exceeded")
         finally:
             await hostile.close()

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from e2e_helpers import RawServer, cli_server, ordered_table, tagged, untagged, vm_rss, within
+from e2e_helpers import RawServer, ask_raw, cli_server, ordered_table, tagged, untagged, vm_rss, within
 
 from dissoc.client import ClientOptions, fetch_async, settle, stream_batches
 from dissoc.errors import ProtocolError, RemoteError, TransportError
@@ -34,7 +34,6 @@ from dissoc.protocol import (
     BODY_PACKED,
     ERROR_TAG,
     ErrorMessage,
-    MessageType,
     ReorderBuffer,
     decode_stream_message,
     encode_error,
@@ -43,7 +42,7 @@ from dissoc.protocol import (
 )
 from dissoc.protocol.framing import MAX_ERROR_MESSAGE, MAX_ERROR_PAYLOAD
 from dissoc.server import Server
-from dissoc.transport import Connection, connect
+from dissoc.transport import connect
 from dissoc.uri import DissocURI
 
 pytestmark = pytest.mark.slow
@@ -118,19 +117,6 @@ def test_stalled_parquet_clients_cost_about_one_batch_each_and_it_comes_back(par
 # --------------------------------------------------------------------------------------------- quotas
 
 
-async def _ask(conn: Connection, want_data: int, ticket: bytes) -> tuple[str, Any]:
-    """One request on a raw combined connection: ("eos", count) or ("error", ErrorMessage); reads the metadata
-    stream only (the pair lists pile up unread, and are never freed)."""
-    await conn.send_tagged(want_data, ticket)
-    while True:
-        buf = await conn.recv()
-        kind = bytes(buf[:1])[0]
-        if kind == MessageType.END_OF_STREAM:
-            return "eos", decode_stream_message(buf)
-        if kind == MessageType.ERROR:
-            return "error", decode_stream_message(buf)
-
-
 async def test_a_client_that_never_frees_gets_quota_exceeded_and_others_are_served() -> None:
     """Before: a client repeating want_data without free_data filled the arena and every other client hung
     until it left. Now it gets ``quota_exceeded`` (a quarter of the arena by default) on its own stream, its
@@ -143,7 +129,7 @@ async def test_a_client_that_never_frees_gets_quota_exceeded_and_others_are_serv
         try:
             outcomes = []
             for _ in range(3 * arena // table.nbytes):  # enough to fill the arena three times over
-                outcome, msg = await within(10, _ask(hostile, uri.want_data, b"t"), "the hostile client")
+                outcome, msg = await within(10, ask_raw(hostile, uri.want_data, b"t"), "the hostile client")
                 outcomes.append(outcome)
                 if outcome == "error":
                     break
@@ -151,7 +137,7 @@ async def test_a_client_that_never_frees_gets_quota_exceeded_and_others_are_serv
             assert msg.code == "quota_exceeded", msg
             assert "quota" in msg.message
             # The connection is not dropped: asking again gets the same answer.
-            outcome, again = await within(10, _ask(hostile, uri.want_data, b"t"), "asking again")
+            outcome, again = await within(10, ask_raw(hostile, uri.want_data, b"t"), "asking again")
             assert (outcome, again.code) == ("error", "quota_exceeded")
             # Another client is served while the hostile one still holds its ranges.
             got = await within(10, fetch_async(server.uri, "t", options=ClientOptions(timeout=5)), "a fetch")
