@@ -403,6 +403,8 @@ class _Session:
             data = await self._open(self.data_uri)
             self.conns.append(data)
         self.meta_conn, self.data_conn = meta, data
+        for conn in self.conns:  # the transport's own lines about them name this stream
+            conn.stream_id = stream_id.get()
         device = self.device
         if device is not None and device.receives_on_device and data.device_memory:
             # Packed bodies go straight into device memory; the small tagged messages (pairs, errors) stay

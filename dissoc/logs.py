@@ -6,7 +6,9 @@ A hostile peer can repeat a failure (a bad frame, a refused request, a failed st
 
 Every stream, on the server (one want_data answered) and on the client (one ticket fetched), runs with a
 stream id (:data:`stream_id`, 8 hex digits) that :class:`StreamFilter` puts on each record logged while it
-runs: ``[stream 1a2b3c4d]`` in text, ``"stream"`` in JSON (:class:`JsonFormatter`, one object a line).
+runs (a connection carries the id of the stream it serves too, ``Connection.stream_id``, for the lines its
+transport logs from its own callbacks): ``[stream 1a2b3c4d]`` in text, ``"stream"`` in JSON
+(:class:`JsonFormatter`, one object a line).
 Sequence numbers and tags are written in hex by the code that logs them (``fmt_seq``, ``fmt_tag``).
 Ground floor: used by the transports, the servers and the client alike.
 """
@@ -121,9 +123,10 @@ class RateLimitedLog:
         self._last: dict[object, float] = {}
         self._suppressed: dict[object, int] = {}
 
-    def log(self, level: int, kind: object, msg: str, *args: object) -> bool:
-        """Log ``msg % args`` at ``level`` unless a line of ``kind`` was logged less than ``interval`` ago;
-        returns whether it was logged."""
+    def log(self, level: int, kind: object, msg: str, *args: object, stream: str | None = None) -> bool:
+        """Log ``msg % args`` at ``level`` unless a line of ``kind`` was logged less than ``interval`` ago
+        (``stream``: the stream id the line is about, where the current context has none); returns whether it
+        was logged."""
         if not self._logger.isEnabledFor(level):
             return False
         now = time.monotonic()
@@ -133,6 +136,7 @@ class RateLimitedLog:
             return False
         self._last[kind] = now
         suppressed = self._suppressed.pop(kind, 0)
+        extra = {"stream": stream} if stream is not None else None
         if suppressed:
             self._logger.log(
                 level,
@@ -140,9 +144,10 @@ class RateLimitedLog:
                 *args,
                 suppressed,
                 now - last if last is not None else 0.0,
+                extra=extra,
             )
         else:
-            self._logger.log(level, msg, *args)
+            self._logger.log(level, msg, *args, extra=extra)
         return True
 
 

@@ -402,7 +402,9 @@ class RoleServer(abc.ABC):
     async def _answer(self, conn: Connection, request: TaggedMessage) -> None:
         """One want_data request: the ticket's stream, or an error."""
         ticket: bytes | str = bytes(request.view())
-        stream_id.set(new_stream_id())  # this request's lines carry it, until the next request on conn
+        # this request's lines carry it (and the connection's own, from its transport), until the next one
+        conn.stream_id = sid = new_stream_id()
+        stream_id.set(sid)
         if not ticket:
             # The health probe (dissoc.health): answered at once, before any token check; a want_data, not a
             # refusal.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from e2e_helpers import PYTHON, REPO, read_lines, sample_table
+from e2e_helpers import PYTHON, REPO, ordered_table, read_lines, sample_table
 
 from dissoc.client import ClientOptions, fetch_async
 from dissoc.logs import JsonFormatter, StreamFilter, configure, new_stream_id, stream_id
@@ -148,3 +148,38 @@ def test_serve_log_format_json_from_the_environment(tmp_path: Path) -> None:
     assert any(r["message"].startswith("log_format from env DISSOC_LOG_FORMAT") for r in lines)
     in_stream = [r for r in lines if r["message"].startswith("stream of 't' done")]
     assert len(in_stream) == 1 and "stream" in in_stream[0]
+
+
+async def test_a_connection_failing_mid_stream_is_logged_with_the_stream_it_carried(
+    captured: io.StringIO,
+) -> None:
+    """The transport's own line about a connection (here: a corrupt frame from the client while its stream
+    is being served) is logged from the connection's callback, outside the stream's task: it carries the
+    stream id through the connection."""
+    import asyncio
+
+    from e2e_helpers import frame, tagged
+
+    from dissoc.logs import peer_log
+    from dissoc.server.server import DEFAULT_WANT_DATA
+
+    peer_log._last.clear()  # another test's corrupt frame within the interval would hold this line back
+    table = ordered_table(50, 20_000)
+    async with Server({"t": table}) as server:
+        uri = server.uris[0]
+        reader, writer = await asyncio.open_connection(uri.host, uri.port)
+        writer.write(tagged(DEFAULT_WANT_DATA, b"t"))
+        await writer.drain()
+        await reader.readexactly(24)  # the stream began
+        writer.write(frame(9, 0, b"garbage"))  # no such frame kind
+        await writer.drain()
+        for _ in range(100):
+            if "frame" in captured.getvalue() and "corrupt" in captured.getvalue():
+                break
+            await asyncio.sleep(0.02)
+        writer.close()
+    lines = records(captured)
+    asked = [r for r in lines if str(r["message"]).startswith("want_data tag=")]
+    corrupt = [r for r in lines if "corrupt" in str(r["message"]) and r["logger"] == "dissoc.peers"]
+    assert len(asked) == 1 and corrupt, lines[-5:]
+    assert corrupt[0]["stream"] == asked[0]["stream"]

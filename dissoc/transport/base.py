@@ -230,6 +230,9 @@ class Connection(abc.ABC):
         self._budget = receive_budget
         self._reserved = 0
         self._receiver: Receiver | None = None
+        #: The stream this connection carries now (a log stream id, set by the server or client that runs
+        #: it; None before the first): the transport's own lines about the connection carry it.
+        self.stream_id: str | None = None
 
     # ----------------------------------------------------------------------------------------------- public
 
@@ -653,6 +656,10 @@ class Connection(abc.ABC):
         self._buffered += held.nbytes
         self._rereserve(held.nbytes)
 
+    def _log_extra(self) -> dict[str, str] | None:
+        """``extra=`` for a log line about this connection: the stream it carries, if any."""
+        return {"stream": self.stream_id} if self.stream_id is not None else None
+
     def _fail(self, exc: DissocError, *, drop_held: bool = False) -> None:
         """Record the first error and raise it in all blocked consumers; held messages stay unless dropped."""
         if self._error is None:
@@ -663,7 +670,7 @@ class Connection(abc.ABC):
             exc.__cause__ = None
             self._error = exc
             if not drop_held:
-                logger.debug("%s failed: %s", self._description, exc)
+                logger.debug("%s failed: %s", self._description, exc, extra=self._log_extra())
             if self._receiver is not None:
                 self._receiver.on_failure(fresh_error(exc))
         error = self._error

@@ -576,7 +576,7 @@ class TcpConnection(Connection):
             return
         self._refused = True
         self._fail(exc)
-        peer_log.log(logging.WARNING, type(exc), "%s", exc)
+        peer_log.log(logging.WARNING, type(exc), "%s", exc, stream=self.stream_id)
         if not self._paused:
             self._loop.remove_reader(self._fd)
         self._paused = True
@@ -598,9 +598,9 @@ class TcpConnection(Connection):
         self._closed = True
         self._fail(exc)
         if isinstance(exc, FrameError | MessageTooLargeError):
-            peer_log.log(logging.WARNING, type(exc), "%s", exc)
+            peer_log.log(logging.WARNING, type(exc), "%s", exc, stream=self.stream_id)
         else:
-            logger.debug("%s torn down: %s", self._description, exc)
+            logger.debug("%s torn down: %s", self._description, exc, extra=self._log_extra())
         self._loop.remove_reader(self._fd)
         self._loop.remove_writer(self._fd)
         waiter = self._write_waiter

@@ -417,9 +417,9 @@ class UcxConnection(Connection):
         self._closed = True
         self._fail(exc)
         if isinstance(exc, ResourceError):
-            peer_log.log(logging.WARNING, type(exc), "%s", exc)
+            peer_log.log(logging.WARNING, type(exc), "%s", exc, stream=self.stream_id)
         else:
-            logger.debug("%s torn down: %s", self._description, exc)
+            logger.debug("%s torn down: %s", self._description, exc, extra=self._log_extra())
         driver = self._driver
         driver.on_progress = lambda: False
         driver.fail_pending(TransportError(f"{self._description}: {exc}"))
