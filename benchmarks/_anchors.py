@@ -812,6 +812,13 @@ def ucxx_raw_listener(dataset: Dataset, stack: contextlib.ExitStack) -> Transfer
     return _ucx_anchor_module().ucxx_raw(dataset, stack, connect="listener")  # type: ignore[no-any-return]
 
 
+def ucxx_raw_listener_2msg(dataset: Dataset, stack: contextlib.ExitStack) -> Transfer:
+    """:func:`ucxx_raw_listener` sending each batch as two messages (256 bytes, then the body), the message
+    count of the Dissociated IPC mapping (metadata, then body): the like-for-like anchor of the listener and
+    reference-style paths."""
+    return _ucx_anchor_module().ucxx_raw(dataset, stack, connect="listener", messages=2)  # type: ignore[no-any-return]
+
+
 #: The anchors in table order: (slug, label, path).
 ANCHORS: list[tuple[str, str, PathFactory]] = [
     ("numpy-copy", "numpy copy", numpy_copy),
@@ -821,6 +828,7 @@ ANCHORS: list[tuple[str, str, PathFactory]] = [
     ("ucxx-raw-blocking", "ucxx raw blocking", ucxx_raw_blocking),
     ("ucxx-raw-anon", "ucxx raw anon-mem", ucxx_raw_anon),
     ("ucxx-raw-listener", "ucxx raw listener", ucxx_raw_listener),
+    ("ucxx-raw-listener-2msg", "ucxx raw listener 2-msg", ucxx_raw_listener_2msg),
 ]
 
 

@@ -51,6 +51,9 @@ else:  # imported by a script in benchmarks/ (sys.path[0]), or run as one
 HELLO_TAG = 0x5241570000000001  # "RAW" ... 1
 GO_TAG = 0x5241570000000002
 DATA_TAG = 0x5241580000000000  # + message number (< 2**32)
+META_TAG = 0x5241590000000000  # + message number: the first of a batch's two messages (``messages=2``)
+#: Bytes of the first message of a batch with ``messages=2``: about a small batch's IPC metadata.
+META_BYTES = 256
 HELLO_BYTES = 8192  # fixed-size hello: u32 length, the worker address, zero padding
 #: Outstanding sends/receives per side (see the module docstring); ``--ucxx-window`` in throughput.py.
 WINDOW = 1
@@ -142,6 +145,7 @@ def ucxx_raw(
     source: str = "file",
     progress: str | None = None,
     connect: str = "address",
+    messages: int = 1,
 ) -> anchors.Transfer:
     """Raw ucxx tagged messages of ``batch.nbytes`` each from a sender subprocess (see the module docstring).
 
@@ -150,12 +154,15 @@ def ucxx_raw(
     ``progress``: ``"poll"`` or ``"blocking"`` (default: :data:`PROGRESS`). ``connect``: ``"address"`` joins
     the workers by address (shared memory on one host); ``"listener"`` connects an endpoint to the sender's
     listener (``host:port``, peer-failure handling on), as the reference mapping's clients do: the anchor for
-    dissoc's listener path, which UCX runs over TCP.
+    dissoc's listener path, which UCX runs over TCP. ``messages=2``: each batch is two messages, a
+    :data:`META_BYTES` one and then the body, as the Dissociated IPC mapping sends a batch (its metadata, then
+    its body): the same message count as dissoc, which one message per batch does not have.
     """
     _lib()
     window, mode = max(1, WINDOW), progress or PROGRESS
     argv = [sys.executable, str(Path(__file__).resolve()), "serve", str(dataset.path)]
     argv += ["--window", str(window), "--source", source, "--progress", mode, "--connect", connect]
+    argv += ["--messages", str(messages)]
     (info,) = anchors.start_server(stack, argv)
     side = _Endpoint(mode)
     if connect == "listener":
@@ -181,6 +188,7 @@ def ucxx_raw(
     count, size = dataset.num_batches, dataset.payload_bytes // dataset.num_batches
     slots = max(2, window)
     ring = [np.ones(size, dtype=np.uint8) for _ in range(slots)]  # touched: no page faults when timed
+    meta_ring = [np.ones(META_BYTES, dtype=np.uint8) for _ in range(slots)]
     consumed = anchors.Consumed(dataset.num_batches, dataset.num_rows)
     step = side.progress
 
@@ -191,13 +199,16 @@ def ucxx_raw(
         next_post = 0
         for i in range(count):
             while next_post < count and next_post - i < window:
+                if messages == 2:
+                    posted.append(side.recv(META_TAG + next_post, meta_ring[next_post % slots]))
                 posted.append(side.recv(DATA_TAG + next_post, ring[next_post % slots]))
                 next_post += 1
-            request = posted[0]
-            while not request.completed:
-                step()
-            request.check_error()
-            posted.pop(0)
+            for _ in range(messages):
+                request = posted[0]
+                while not request.completed:
+                    step()
+                request.check_error()
+                posted.pop(0)
         side.wait(go_request)
         del go
         return consumed
@@ -210,7 +221,12 @@ def ucxx_raw(
 
 
 def serve(
-    path: Path, window: int, source_kind: str = "file", mode: str = "poll", connect: str = "address"
+    path: Path,
+    window: int,
+    source_kind: str = "file",
+    mode: str = "poll",
+    connect: str = "address",
+    messages: int = 1,
 ) -> None:
     """Send messages cut from the memory-mapped file (or a copy of it in anonymous memory, ``"anon"``) for
     each GO until GO with count 0 (or SIGTERM); ``connect="listener"``: to the one client that connects to
@@ -254,10 +270,13 @@ def serve(
             raise SystemExit(f"message size {size} > file size {source.nbytes}")
         pieces = max(1, source.nbytes // size)
         posted: list[Any] = []
+        meta = source[:META_BYTES]
         for i in range(count):
             start = (i % pieces) * size
+            if messages == 2:
+                posted.append(side.send(META_TAG + i, meta))
             posted.append(side.send(DATA_TAG + i, source[start : start + size]))
-            while len(posted) >= window:
+            while len(posted) >= window * messages:
                 if posted[0].completed:
                     posted.pop(0).check_error()
                 else:
@@ -275,9 +294,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--source", choices=["file", "anon"], default="file")
     parser.add_argument("--progress", choices=["poll", "blocking"], default=PROGRESS)
     parser.add_argument("--connect", choices=["address", "listener"], default="address")
+    parser.add_argument("--messages", type=int, choices=[1, 2], default=1)
     args = parser.parse_args(argv)
     with contextlib.suppress(KeyboardInterrupt):
-        serve(args.path, max(1, args.window), args.source, args.progress, args.connect)
+        serve(args.path, max(1, args.window), args.source, args.progress, args.connect, args.messages)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,9 @@ peer-failure handling (so UCX uses shared memory: CMA), polling progress (``_ucx
 ``ucxx-raw-anon`` sends the same sizes from anonymous (huge-page) memory, the best case for CMA.
 ``ucxx-raw-listener`` connects through the sender's listener instead (``host:port``, peer-failure handling
 on, as the reference mapping's clients do; UCX runs it over TCP here): the anchor for the listener path.
+``ucxx-raw-listener-2msg`` sends each batch there as two messages (256 bytes, then the body), the message
+count of the Dissociated IPC mapping (metadata, then body), which per-message costs over TCP make the
+like-for-like anchor of the listener and reference-style rows on small batches.
 
 Workloads: ``large`` (1 GiB in 16 MiB batches; ``--quick``: 256 MiB), ``large64`` (1 GiB in 64 MiB batches;
 ``--quick``: 256 MiB), ``spark`` (below) and ``small`` (100k batches of 1k rows, 16 KiB each; ``--quick``:
