@@ -152,6 +152,9 @@ class DataPart(StreamPart):
         # What the client held before this stream (never more than it holds now): bytes this stream cannot
         # wait for, since only its own batches are sure to be freed as the client reads on.
         self._held_before = self._ledger.live_bytes_of(conn) if self._ledger is not None else 0
+        # Bytes this stream listed (what the client holds beyond that was listed before it, whatever it freed
+        # of this stream's meanwhile): frees of an earlier stream that arrive once this one began lower it.
+        self._listed = 0
 
     def message(
         self, out: Outbox, sent: ServerMessage, metadata: Any, body: list[Any]
@@ -205,7 +208,9 @@ class DataPart(StreamPart):
             gone=gone,
             what=conn.description,
         )
+        live = ledger.live_bytes_of(conn)
         ledger.record(conn, pairs)
+        self._listed += ledger.live_bytes_of(conn) - live
         await conn.send_tagged(make_body_tag(sent.seq, BODY_PAIRS), encode_pairs(pairs))
         tally = self._tally
         tally.batches += 1
@@ -224,7 +229,8 @@ class DataPart(StreamPart):
         held = ledger.live_bytes_of(conn)
         since = loop.time()
         while True:
-            self._held_before = min(self._held_before, held)
+            # what is held beyond this stream's own listings was listed before it (at most)
+            self._held_before = min(self._held_before, max(0, held - self._listed))
             why = None
             contended = self._placements is not None and self._placements.hungry > 0
             if self._held_before and self._held_before + nbytes > quota:

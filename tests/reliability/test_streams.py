@@ -32,11 +32,15 @@ from dissoc.errors import ProtocolError, RemoteError, TransportError
 from dissoc.memory.shm import NAME_PREFIX, SHM_DIR
 from dissoc.protocol import (
     BODY_PACKED,
+    BODY_PAIRS,
     ERROR_TAG,
     ErrorMessage,
+    PairList,
     ReorderBuffer,
+    decode_pairs,
     decode_stream_message,
     encode_error,
+    encode_free,
     encode_metadata_header,
     make_body_tag,
 )
@@ -144,6 +148,45 @@ async def test_a_client_that_never_frees_gets_quota_exceeded_and_others_are_serv
             assert got.equals(table)
         finally:
             await hostile.close()
+
+
+async def test_frees_of_the_last_stream_arriving_after_the_next_one_began_count_for_it() -> None:
+    """A client that frees what a stream listed only at its end, and asks for the next stream right away,
+    may have its frees read after the next stream began (they travel apart from want_data, and are applied
+    by another task). Those frees must lower what the client held *before* the new stream. Before, the
+    server took this stream's own listings for old ones once the old ones were freed (seen under load
+    with a reference-style UCX client): ``quota_exceeded`` a second into a stream the client was entitled
+    to."""
+    table = ordered_table(4, 1 << 14)  # 4 batches of 128 KiB
+    arena = 768 << 10  # quota: 192 KiB; one stream lists 512 KiB (alone, a client may fill the arena)
+    async with Server({"t": table}, body="pairs", memory="shm", arena_bytes=arena) as server:
+        uri = DissocURI.parse(str(server.uri))
+        assert uri.free_data is not None
+        client = await connect("tcp", uri.host, uri.port)
+        try:
+
+            async def pairs_of(seq: int) -> PairList:
+                msg = await within(10, client.recv_tagged(make_body_tag(seq, BODY_PAIRS)), f"pairs {seq}")
+                return decode_pairs(bytes(msg.view()))
+
+            outcome, _ = await within(10, ask_raw(client, uri.want_data, b"t"), "the first stream")
+            assert outcome == "eos"
+            first = [await pairs_of(seq) for seq in range(1, 5)]
+            offsets = [int(p.pairs[i, 0]) for p in first for i in range(p.count) if p.pairs[i, 1]]
+            half = len(offsets) // 2
+            # half the frees, the next want_data, and the other half once the new stream began (its schema
+            # message is in): the stream begins with half the old ranges still held
+            await client.send_tagged(uri.free_data, encode_free(offsets[:half]))
+            await client.send_tagged(uri.want_data, b"t")
+            schema = decode_stream_message(await within(10, client.recv(), "the schema message"))
+            assert schema.seq == 0
+            await client.send_tagged(uri.free_data, encode_free(offsets[half:]))
+            outcome, end = await within(10, ask_raw(client, uri.want_data, b"", send=False), "the second")
+            assert outcome == "eos", f"the second stream failed: {end}"
+            second = [await pairs_of(seq) for seq in range(1, 5)]
+            assert sum(p.total for p in second) == sum(p.total for p in first)
+        finally:
+            await client.close()
 
 
 # -------------------------------------------------------------------------------------- error messages
