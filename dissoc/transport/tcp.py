@@ -701,9 +701,8 @@ class TcpListener(Listener):
     def _on_accept(self) -> None:
         for _ in range(64):
             if self._full():
-                SERVER.refusals.inc(
-                    "max_connections"
-                )  # (TCP: accepting pauses; the peer waits in the backlog)
+                # (TCP: accepting pauses; the peer waits in the backlog)
+                SERVER.refusals.inc("max_connections")
                 peer_log.log(
                     logging.WARNING,
                     ("full", self.address),
