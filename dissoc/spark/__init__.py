@@ -83,8 +83,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -98,7 +98,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
     from pyspark.sql.types import DataType, StructType
 
-    from dissoc.spark._exchange import Partitioner
+    from dissoc.spark._exchange import ExchangeResult, Partitioner
 
 __all__ = [
     "SparkTypeError",
@@ -242,7 +242,7 @@ def hash_partition(batch: pa.RecordBatch, key: str | Sequence[str], n: int) -> n
 
 
 def exchange(
-    data: Iterable[pa.RecordBatch | pa.Table] | pa.Table | pa.RecordBatch,
+    data: Iterable[Any] | pa.Table | pa.RecordBatch | Any,
     *,
     key: str | Sequence[str] | None = None,
     partitioner: Partitioner | None = None,
@@ -250,7 +250,11 @@ def exchange(
     host: str | None = None,
     port: int = 0,
     timeout: float = 60.0,
-) -> Iterator[pa.RecordBatch]:
+    transport: str = "auto",
+    body: str = "auto",
+    memory: str = "auto",
+    landing: str = "auto",
+) -> ExchangeResult:
     """Swap rows between the tasks of a barrier stage over dissoc; returns this task's rows.
 
     ``data``: this task's rows (pyarrow batches or tables). ``key``: hash-partition by these column(s);
@@ -260,8 +264,29 @@ def exchange(
     the server and of silence tolerated while fetching. The rows a task receives come grouped by sending
     task (in task order), in the order they were sent. Everything a task sends and receives is held in
     memory until the stage's barrier.
+
+    ``data`` may also hold :class:`~dissoc.device.DeviceBatch` objects (rows in GPU memory): they are split
+    on the device when the key and every column are fixed-width (else through the host), sent from device
+    memory, and land as DeviceBatches. ``transport`` (``tcp``, ``ucx``), ``body`` (``packed``, ``pairs``),
+    ``memory`` (``shm``, ``ucx``, ``cuda``: where pairs point) and ``landing`` (``host``, ``device``) fix
+    the path for every peer; ``"auto"`` (each one's default) picks per peer the fastest both share: pairs
+    read in place (shared memory, or CUDA IPC for device rows) on one node, UCX between nodes when ucxx
+    loads on both, TCP otherwise. The result iterates the received batches; its ``report`` says, per peer,
+    the path taken, rows, bytes and seconds.
     """
     require_pyspark()
     from dissoc.spark._exchange import exchange as run
 
-    return run(data, key=key, partitioner=partitioner, schema=schema, host=host, port=port, timeout=timeout)
+    return run(
+        data,
+        key=key,
+        partitioner=partitioner,
+        schema=schema,
+        host=host,
+        port=port,
+        timeout=timeout,
+        transport=transport,
+        body=body,
+        memory=memory,
+        landing=landing,
+    )

@@ -21,9 +21,11 @@ import json
 import logging
 import os
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TypeAlias
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -31,9 +33,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dissoc.errors import DissocError
+from dissoc.spark._paths import (
+    BODIES,
+    LANDINGS,
+    MEMORIES,
+    TRANSPORTS,
+    Capabilities,
+    Path,
+    PeerReport,
+    check_choice,
+    choose,
+)
 from dissoc.tokens import Secret
 
-__all__ = ["Partitioner", "exchange", "hash_partition"]
+__all__ = ["ExchangeResult", "Partitioner", "exchange", "hash_partition"]
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +55,7 @@ Partitioner: TypeAlias = Callable[[pa.RecordBatch, int], npt.ArrayLike]
 array or anything ``numpy.asarray`` takes)."""
 
 #: What :func:`exchange` takes: this task's rows.
-ExchangeData: TypeAlias = "Iterable[pa.RecordBatch | pa.Table] | pa.Table | pa.RecordBatch"
+ExchangeData: TypeAlias = "Iterable[Any] | pa.Table | pa.RecordBatch | Any"
 
 #: How long the tickets a task hands its peers stay valid: its server and its secret end with the stage, and
 #: a peer may reach allGather long after this task did.
@@ -142,8 +155,12 @@ def _split(batch: pa.RecordBatch, destinations: npt.ArrayLike, n: int) -> list[p
         raise DissocError(f"the partitioner returned {dest.shape} destinations for {batch.num_rows} rows")
     if batch.num_rows and (dest.min() < 0 or dest.max() >= n):
         raise DissocError(f"the partitioner returned destinations outside [0, {n})")
-    order = np.argsort(dest, kind="stable")
     counts = np.bincount(dest, minlength=n)
+    if n == 1 or np.count_nonzero(counts) <= 1:
+        return [batch if count else batch.slice(0, 0) for count in counts.tolist()]
+    # numpy's stable sort of integers of 16 bits or fewer is a radix sort: linear, not n log n
+    small = np.uint8 if n <= 256 else np.uint16 if n <= 65536 else np.int64
+    order = np.argsort(dest.astype(small, copy=False), kind="stable")
     ordered = batch.take(pa.array(order))
     out, start = [], 0
     for count in counts.tolist():
@@ -155,11 +172,14 @@ def _split(batch: pa.RecordBatch, destinations: npt.ArrayLike, n: int) -> list[p
 class _ServerThread:
     """A dissoc Server on its own loop in a daemon thread (the task's main thread blocks in barriers)."""
 
-    def __init__(self, datasets: dict[str, pa.Table], host: str, port: int, secret: Secret) -> None:
+    def __init__(
+        self, datasets: dict[str, Any], host: str, port: int, secret: Secret, **server_options: Any
+    ) -> None:
         self._datasets = datasets
         self._secret = secret
         self._host = host
         self._port = port
+        self._options = server_options
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -174,7 +194,9 @@ class _ServerThread:
 
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
-            server = Server(self._datasets, host=self._host, port=self._port, secret=self._secret)
+            server = Server(
+                self._datasets, host=self._host, port=self._port, secret=self._secret, **self._options
+            )
             async with server:
                 self.uri, self.data_uri = server.uri, server.data_uri
                 self._ready.set()
@@ -229,23 +251,179 @@ def _bind_host(host: str | None, addresses: list[str], me: int) -> str:
     return _task_host(addresses[me]) or "127.0.0.1"
 
 
-def _as_batches(data: ExchangeData) -> Iterator[pa.RecordBatch]:
+def _items(data: ExchangeData) -> Iterator[Any]:
+    """The rows as a stream of ``pa.RecordBatch`` or :class:`~dissoc.device.DeviceBatch` objects."""
+    from dissoc.device import DeviceBatch
+
     if isinstance(data, pa.Table):
         yield from data.to_batches()
         return
-    if isinstance(data, pa.RecordBatch):
+    if isinstance(data, (pa.RecordBatch, DeviceBatch)):
         yield data
         return
     for item in data:
-        if isinstance(item, pa.RecordBatch):
+        if isinstance(item, (pa.RecordBatch, DeviceBatch)):
             yield item
         elif isinstance(item, pa.Table):
             yield from item.to_batches()
         else:
             raise DissocError(
-                f"exchange: expected pyarrow RecordBatches or Tables, got a {type(item).__name__} (use "
-                "df.mapInArrow(..., barrier=True), or yield batches from an RDD)"
+                f"exchange: expected pyarrow RecordBatches or Tables, or DeviceBatches, got a "
+                f"{type(item).__name__} (use df.mapInArrow(..., barrier=True), or yield batches from an RDD)"
             )
+
+
+def _destinations(batch: pa.RecordBatch, n: int, key: Any, partitioner: Partitioner | None) -> Any:
+    if key is not None:
+        return hash_partition(batch, key, n)
+    assert partitioner is not None
+    return partitioner(batch, n)
+
+
+def _partition_host(
+    batches: list[pa.RecordBatch], n: int, key: Any, partitioner: Partitioner | None, schema: pa.Schema | None
+) -> list[list[pa.RecordBatch]]:
+    buckets: list[list[pa.RecordBatch]] = [[] for _ in range(n)]
+    for batch in batches:
+        if schema is not None and not batch.schema.equals(schema):
+            batch = pa.RecordBatch.from_arrays(batch.columns, schema=schema)
+        if key is None and partitioner is None:
+            for j in range(n):  # no key: every task gets every row
+                buckets[j].append(batch)
+            continue
+        for j, part in enumerate(_split(batch, _destinations(batch, n, key, partitioner), n)):
+            if part.num_rows:
+                buckets[j].append(part)
+    return buckets
+
+
+def _partition_device(
+    batches: list[Any], n: int, key: Any, partitioner: Partitioner | None
+) -> tuple[list[list[Any]], str]:
+    """Device batches into buckets: on the device where :mod:`dissoc.device.partition` can (fixed-width
+    columns, a key), else through the host (download, split, upload). Returns the buckets and where."""
+    from dissoc.device import DeviceBatch
+
+    buckets: list[list[Any]] = [[] for _ in range(n)]
+    if key is None and partitioner is None:
+        for batch in batches:
+            for j in range(n):
+                buckets[j].append(batch)
+        return buckets, "device"
+    on_device = partitioner is None and _device_partitioning(batches, key)
+    for batch in batches:
+        if on_device:
+            from dissoc.device.partition import partition_device_batch
+
+            parts = partition_device_batch(batch, key, n)
+        else:
+            host = batch.to_arrow()
+            dest = _destinations(host, n, key, partitioner)
+            parts = [DeviceBatch.from_arrow(p) if p.num_rows else None for p in _split(host, dest, n)]
+        for j, part in enumerate(parts):
+            if part is not None and part.num_rows:
+                buckets[j].append(part)
+    return buckets, "device" if on_device else "host"
+
+
+def _device_partitioning(batches: list[Any], key: Any) -> bool:
+    if not batches:
+        return True
+    try:
+        from dissoc.device.partition import can_partition_on_device
+    except ImportError:
+        return False
+    return bool(can_partition_on_device(batches[0].schema, key))
+
+
+def _body_bytes(batches: list[Any], schema: pa.Schema | None) -> int:
+    """Room a pairs arena needs to hold ``batches`` at once (each buffer rounded to the arena's alignment)."""
+    from dissoc.buffers import ALIGNMENT, align_up
+    from dissoc.codec import MessageEncoder
+
+    total = 0
+    encoder: MessageEncoder | None = None
+    for b in batches:
+        if isinstance(b, pa.RecordBatch):
+            if encoder is None:
+                encoder = MessageEncoder(schema or b.schema)
+            for m in encoder.encode(b):
+                total += sum(align_up(len(memoryview(buf).cast("B")), ALIGNMENT) for buf in m.body_buffers)
+        else:  # a DeviceBatch: its messages' bodies, one range each
+            total += align_up(int(b.nbytes), ALIGNMENT) + ALIGNMENT * 4 * (1 + b.num_columns)
+    return total
+
+
+class ExchangeResult(Iterator[Any]):
+    """The rows this task received (an iterator of ``pa.RecordBatch``, or of
+    :class:`~dissoc.device.DeviceBatch` when they landed on the device), and :attr:`report`: one
+    :class:`PeerReport` per peer that sent rows, saying which path they took."""
+
+    def __init__(self, batches: list[Any], report: list[PeerReport], partitioned_on: str) -> None:
+        self._batches = iter(batches)
+        #: How each peer's rows came (peer, path, transport, body, memory, landing, zero_copy, rows, bytes,
+        #: seconds), in peer order.
+        self.report = report
+        #: Where this task split its rows: ``"host"`` or ``"device"``.
+        self.partitioned_on = partitioned_on
+
+    def __iter__(self) -> ExchangeResult:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._batches)
+
+    def __repr__(self) -> str:
+        paths = ", ".join(f"{r.peer}:{r.path}" for r in self.report)
+        return f"ExchangeResult(partitioned_on={self.partitioned_on}, from=[{paths}])"
+
+
+def _key(path: Path) -> str:
+    transport, body, memory = path.server_key
+    return f"{transport}/{body}/{memory or '-'}"
+
+
+def _fetch(
+    peer: int, path: Path, server: dict[str, str], ticket: str, timeout: float
+) -> tuple[list[Any], PeerReport]:
+    """Fetch one peer's bucket for this task along ``path`` (runs in a worker thread)."""
+    from dissoc.client import ClientOptions, fetch, fetch_device
+
+    options = ClientOptions(
+        timeout=timeout, zero_copy=path.zero_copy, landing=path.landing, reuse_connections=False
+    )
+    started = time.perf_counter()
+    batches: list[Any]
+    if path.landing == "device":
+        batches = list(fetch_device(server["uri"], ticket, data_uri=server["data_uri"], options=options))
+    else:
+        table = fetch(server["uri"], ticket, data_uri=server["data_uri"], options=options)
+        batches = [b for b in table.to_batches() if b.num_rows]
+    seconds = time.perf_counter() - started
+    report = PeerReport(
+        peer=peer,
+        path=path.name,
+        transport=path.transport,
+        body=path.body,
+        memory=path.memory,
+        landing=path.landing,
+        zero_copy=path.zero_copy,
+        rows=sum(int(b.num_rows) for b in batches),
+        bytes=sum(int(b.nbytes) for b in batches),
+        seconds=seconds,
+    )
+    return batches, report
+
+
+def _land_own(bucket: list[Any], device_in: bool, landing: str) -> list[Any]:
+    """This task's own bucket, where its peers' rows land."""
+    from dissoc.device import DeviceBatch
+
+    if device_in and landing == "host":
+        return [b.to_arrow() for b in bucket]
+    if not device_in and landing == "device":
+        return [DeviceBatch.from_arrow(b) for b in bucket]
+    return bucket
 
 
 def exchange(
@@ -257,12 +435,23 @@ def exchange(
     host: str | None = None,
     port: int = 0,
     timeout: float = 60.0,
-) -> Iterator[pa.RecordBatch]:
+    transport: str = "auto",
+    body: str = "auto",
+    memory: str = "auto",
+    landing: str = "auto",
+) -> ExchangeResult:
     """Swap rows between the tasks of a Spark barrier stage over dissoc (see :mod:`dissoc.spark`)."""
     from pyspark import BarrierTaskContext
 
-    from dissoc.client import ClientOptions, fetch_async
+    from dissoc.device import DeviceBatch
 
+    for what, value, allowed in (
+        ("transport", transport, TRANSPORTS),
+        ("body", body, BODIES),
+        ("memory", memory, MEMORIES),
+        ("landing", landing, LANDINGS),
+    ):
+        check_choice(what, value, allowed)
     try:
         context = BarrierTaskContext.get()
     except Exception as e:  # PySpark raises its own errors outside a barrier stage
@@ -275,62 +464,100 @@ def exchange(
     addresses = [info.address for info in context.getTaskInfos()]
     n, me = len(addresses), context.partitionId()
 
-    batches = list(_as_batches(data))
-    if schema is None and batches:
-        schema = batches[0].schema
-    buckets: list[list[pa.RecordBatch]] = [[] for _ in range(n)]
-    for batch in batches:
-        if schema is not None and not batch.schema.equals(schema):
-            batch = pa.RecordBatch.from_arrays(batch.columns, schema=schema)
-        if key is None and partitioner is None:
-            for j in range(n):  # no key: every task gets every row
-                buckets[j].append(batch)
-            continue
-        dest: npt.ArrayLike
-        if key is not None:
-            dest = hash_partition(batch, key, n)
-        else:
-            assert partitioner is not None
-            dest = partitioner(batch, n)
-        for j, part in enumerate(_split(batch, dest, n)):
-            if part.num_rows:
-                buckets[j].append(part)
+    items = list(_items(data))
+    kinds = {isinstance(b, DeviceBatch) for b in items}
+    if len(kinds) > 1:
+        raise DissocError("exchange: a task's rows are either all pyarrow batches or all DeviceBatches")
+    device_in = kinds == {True}
+    if schema is None and items:
+        schema = items[0].schema
+    buckets: list[list[Any]]
+    if device_in:
+        buckets, partitioned_on = _partition_device(items, n, key, partitioner)
+    else:
+        buckets, partitioned_on = _partition_host(items, n, key, partitioner, schema), "host"
+    del items
 
-    datasets: dict[str, pa.Table] = {}
-    if schema is not None:
-        datasets = {f"to-{j}": pa.Table.from_batches(buckets[j], schema=schema) for j in range(n) if j != me}
+    # Round 1: what every task can do, so that all agree on every pair's path before any server starts.
+    caps = Capabilities.here(device=device_in)
+    infos = [Capabilities.from_json(json.loads(m)) for m in context.allGather(json.dumps(caps.to_json()))]
+    choice = {"transport": transport, "body": body, "memory": memory, "landing": landing}
+    outgoing = {j: choose(caps, infos[j], **choice) for j in range(n) if j != me}
+    incoming = {i: choose(infos[i], caps, **choice) for i in range(n) if i != me}
+
     bind = _bind_host(host, addresses, me)
     secret = Secret.generate()  # this task's, for this stage only
-    server = _ServerThread(datasets, bind, port, secret)
-    server.start(timeout)
+    servers: dict[str, _ServerThread] = {}
     try:
+        if schema is not None:
+            groups: dict[str, list[int]] = {}
+            for j, path in outgoing.items():
+                groups.setdefault(_key(path), []).append(j)
+            for name, peers_of in groups.items():
+                path = outgoing[peers_of[0]]
+                datasets: dict[str, Any] = {}
+                for j in peers_of:
+                    if device_in:
+                        from dissoc.datasets.in_memory import DeviceDataset
+
+                        datasets[f"to-{j}"] = DeviceDataset(f"to-{j}", buckets[j], schema)
+                    else:
+                        datasets[f"to-{j}"] = pa.Table.from_batches(buckets[j], schema=schema)
+                options: dict[str, Any] = {"transport": path.transport, "body": path.body}
+                if path.body == "pairs":
+                    room = sum(_body_bytes(buckets[j], schema) for j in peers_of) + (1 << 20)
+                    # Each peer may hold all of its bucket at once (zero-copy batches until released).
+                    options.update(memory=path.memory, arena_bytes=room, max_unfreed_bytes=room)
+                server = _ServerThread(datasets, bind, port if not servers else 0, secret, **options)
+                server.start(timeout)
+                servers[name] = server
         # Peer j gets a ticket for its own bucket only.
         tickets = {str(j): secret.mint(f"to-{j}", ttl=_TICKET_TTL) for j in range(n) if j != me}
         mine = json.dumps(
-            {"uri": server.uri, "data_uri": server.data_uri, "serves": schema is not None, "tickets": tickets}
+            {
+                "servers": {k: {"uri": s.uri, "data_uri": s.data_uri} for k, s in servers.items()},
+                "serves": schema is not None,
+                "tickets": tickets,
+            }
         )
-        log.info("exchange task %d/%d serving at %s", me, n, server.uri)
+        for j, path in outgoing.items():
+            log.info("exchange task %d/%d sends to %d by %s", me, n, j, path.name)
+        # Round 2: the servers' URIs and the tickets.
         peers = [json.loads(m) for m in context.allGather(mine)]
-        options = ClientOptions(timeout=timeout)
-
-        async def fetch_all() -> list[pa.Table]:
-            coros = [
-                fetch_async(p["uri"], p["tickets"][str(me)], data_uri=p["data_uri"], options=options)
-                for j, p in enumerate(peers)
-                if j != me and p["serves"]
-            ]
-            return list(await asyncio.gather(*coros))
-
-        received = iter(asyncio.run(fetch_all()))
-        out: list[pa.RecordBatch] = []
-        for j, p in enumerate(peers):
-            if j == me:
-                out.extend(buckets[me])
-            elif p["serves"]:
-                out.extend(b for b in next(received).to_batches() if b.num_rows)
+        sources = [i for i in range(n) if i != me and peers[i]["serves"]]
+        received: dict[int, list[Any]] = {}
+        report: list[PeerReport] = []
+        if sources:
+            with ThreadPoolExecutor(max_workers=min(len(sources), 16)) as pool:
+                futures = {
+                    i: pool.submit(
+                        _fetch,
+                        i,
+                        incoming[i],
+                        peers[i]["servers"][_key(incoming[i])],
+                        peers[i]["tickets"][str(me)],
+                        timeout,
+                    )
+                    for i in sources
+                }
+                for i in sources:
+                    received[i], entry = futures[i].result()
+                    report.append(entry)
+                    log.info(
+                        "exchange task %d/%d got %d rows from %d by %s in %.3f s",
+                        me, n, entry.rows, i, entry.path, entry.seconds,
+                    )  # fmt: skip
+        out_landing = landing if landing != "auto" else ("device" if device_in else "host")
+        out: list[Any] = []
+        for i in range(n):
+            if i == me:
+                out.extend(_land_own(buckets[me], device_in, out_landing))
+            else:
+                out.extend(received.get(i, []))
         # Nobody shuts down while a peer may still be reading from it.
         context.barrier()
     finally:
-        server.stop(timeout)
-    log.info("exchange task %d/%d received %d rows", me, n, sum(b.num_rows for b in out))
-    return iter(out)
+        for server in servers.values():
+            server.stop(timeout)
+    log.info("exchange task %d/%d received %d rows", me, n, sum(int(b.num_rows) for b in out))
+    return ExchangeResult(out, report, partitioned_on)
