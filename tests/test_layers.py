@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dissoc"
 #: only; rooms on one floor do not import each other.
 FLOORS: list[set[str]] = [
     {"errors"},
-    {"buffers", "uri", "logs", "tokens", "metrics", "config"},
+    {"buffers", "uri", "logs", "tokens", "metrics", "config", "hashing"},
     {"codec", "protocol"},
     {"transport"},
     {"memory", "connection_pool"},

@@ -3,7 +3,9 @@
 - :mod:`dissoc.device.batch`: :class:`DeviceBatch` / :class:`DeviceColumn` (a batch as its IPC messages with
   device bodies; typed column views with ``__cuda_array_interface__`` and DLPack) and the streaming
   :class:`DeviceDecoder` / :class:`DeviceEncoder`;
-- :mod:`dissoc.device.landing`: how a client lands received bodies (packed or pairs) in device memory.
+- :mod:`dissoc.device.landing`: how a client lands received bodies (packed or pairs) in device memory;
+- :mod:`dissoc.device.partition`: hash partitioning on the device (:func:`partition_device_batch`: one device
+  batch per destination task, for the Spark barrier exchange).
 
 Device memory itself (CuPy, or the fake backend for tests) is behind :mod:`dissoc.memory.cuda`.
 """
@@ -19,6 +21,7 @@ from dissoc.device.batch import (
     DeviceMessage,
     typed_dtype,
 )
+from dissoc.device.partition import can_partition_on_device, device_destinations, partition_device_batch
 
 __all__ = [
     "DeviceBatch",
@@ -27,5 +30,8 @@ __all__ = [
     "DeviceEncoder",
     "DeviceInterfaceError",
     "DeviceMessage",
+    "can_partition_on_device",
+    "device_destinations",
+    "partition_device_batch",
     "typed_dtype",
 ]

@@ -11,6 +11,11 @@ Everything in dissoc that touches GPU memory goes through a :class:`DeviceBacken
   so that what does not need a GPU (handle encoding, arena accounting, the choice of landing place, two
   processes sharing an allocation) is tested on any machine. It is never chosen unless asked for.
 
+Computing on device memory (hashing, gathering) goes through the backend's array module
+(:attr:`DeviceBackend.array_module`: ``cupy``, or ``numpy`` for the fake device) and the two conversions
+:meth:`DeviceBackend.as_xp` / :meth:`DeviceBackend.from_xp`, neither of which copies: the same code then runs
+on the GPU with CuPy and on the host with numpy.
+
 :func:`get_backend` returns the process's backend: the one set with :func:`use_backend`, else the one named by
 the ``DISSOC_DEVICE_BACKEND`` environment variable (``cupy`` or ``fake``; read, never set), else CuPy. CuPy is
 imported on first use only; without it (or without a device) asking for device memory raises
@@ -150,6 +155,19 @@ class DeviceBackend(Protocol):
 
     def synchronize(self) -> None:
         """Wait until the work queued on the current stream has finished."""
+        ...
+
+    @property
+    def array_module(self) -> ModuleType:
+        """The array module that computes on this backend's memory: ``cupy``, or ``numpy`` (fake device)."""
+        ...
+
+    def as_xp(self, array: DeviceArray) -> Any:
+        """``array`` as an ndarray of :attr:`array_module` over the same memory (no copy)."""
+        ...
+
+    def from_xp(self, array: Any) -> DeviceArray:
+        """An ndarray of :attr:`array_module` as a device array of this backend, over its memory (no copy)."""
         ...
 
 
@@ -337,6 +355,24 @@ class CupyBackend:
     def synchronize(self) -> None:
         self._cp.cuda.get_current_stream().synchronize()
 
+    @property
+    def array_module(self) -> ModuleType:
+        """``cupy``."""
+        return self._cp
+
+    def as_xp(self, array: DeviceArray) -> Any:
+        """The ``cupy.ndarray`` itself (device arrays of this backend already are CuPy arrays)."""
+        if not isinstance(array, self._cp.ndarray):
+            raise TypeError(f"expected a cupy.ndarray, got {type(array).__name__}")
+        return array
+
+    def from_xp(self, array: Any) -> DeviceArray:
+        """The ``cupy.ndarray`` itself; host arrays are refused (upload them instead)."""
+        if not isinstance(array, self._cp.ndarray):
+            raise TypeError(f"expected a cupy.ndarray, got {type(array).__name__} (upload host data instead)")
+        result: DeviceArray = array
+        return result
+
 
 # ----------------------------------------------------------------------------------------------------------
 # Fake device (host shared memory), for tests without a GPU
@@ -470,6 +506,23 @@ class FakeDeviceBackend:
 
     def synchronize(self) -> None:
         return None
+
+    @property
+    def array_module(self) -> ModuleType:
+        """``numpy``: the fake device's memory is host memory."""
+        return np
+
+    def as_xp(self, array: DeviceArray) -> npt.NDArray[Any]:
+        """The numpy array behind a :class:`FakeDeviceArray` (no copy)."""
+        if not isinstance(array, FakeDeviceArray):
+            raise TypeError(f"expected a FakeDeviceArray, got {type(array).__name__}")
+        return array.host
+
+    def from_xp(self, array: Any) -> FakeDeviceArray:
+        """A numpy array as a :class:`FakeDeviceArray` over the same memory (no copy)."""
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"expected a numpy.ndarray, got {type(array).__name__}")
+        return FakeDeviceArray(array)
 
 
 class FakeDeviceArray:
