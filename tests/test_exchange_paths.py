@@ -241,6 +241,9 @@ PATHS = [
     pytest.param({"transport": "ucx", "body": "packed"}, False, "ucx", id="ucx", marks=pytest.mark.ucx),
     pytest.param({}, True, "tcp+pairs-cuda->device", id="device-auto"),
     pytest.param({"body": "packed"}, True, "tcp->device", id="device-packed"),
+    pytest.param(
+        {"transport": "ucx", "body": "packed"}, True, "ucx->device", id="device-ucx", marks=pytest.mark.ucx
+    ),
     pytest.param({"landing": "host"}, True, "tcp", id="device-to-host"),
     pytest.param({"landing": "device"}, False, "tcp->device", id="host-to-device"),
 ]

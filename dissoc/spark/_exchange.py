@@ -22,7 +22,6 @@ import logging
 import os
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeAlias
@@ -30,9 +29,9 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from dissoc.errors import DissocError
+from dissoc.hashing import column_hash, destinations, row_hash
 from dissoc.spark._paths import (
     BODIES,
     LANDINGS,
@@ -64,68 +63,6 @@ _TICKET_TTL = 24 * 3600
 HOST_ENV = "DISSOC_SPARK_HOST"
 """Environment variable naming the address exchange servers bind to and advertise (overrides the default)."""
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_NULL_HASH = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _mix(h: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """splitmix64's finaliser: every input bit affects every output bit."""
-    with np.errstate(over="ignore"):
-        h = h ^ (h >> np.uint64(30))
-        h = h * _M1
-        h = h ^ (h >> np.uint64(27))
-        h = h * _M2
-        return h ^ (h >> np.uint64(31))
-
-
-def _column_hash(column: pa.Array) -> npt.NDArray[np.uint64]:
-    """A 64-bit hash per value, equal in every process (no per-process seed), nulls all alike."""
-    t = column.type
-    if pa.types.is_dictionary(t):
-        column = column.dictionary_decode()
-        t = column.type
-    values: npt.NDArray[np.uint64]
-    if pa.types.is_integer(t) or pa.types.is_temporal(t) or pa.types.is_boolean(t):
-        if not pa.types.is_integer(t):
-            column = column.cast(pa.int64()) if not pa.types.is_boolean(t) else column.cast(pa.int8())
-        filled = column.fill_null(0) if column.null_count else column
-        values = _mix(np.asarray(filled.to_numpy(zero_copy_only=False)).astype(np.int64).view(np.uint64))
-    elif pa.types.is_floating(t):
-        filled = column.cast(pa.float64())
-        filled = filled.fill_null(0.0) if filled.null_count else filled
-        floats = np.asarray(filled.to_numpy(zero_copy_only=False), dtype=np.float64) + 0.0  # -0.0 == 0.0
-        values = _mix(floats.view(np.uint64))
-    else:
-        # Everything else (strings, binaries, decimals, nested): hash each distinct value's bytes once.
-        encoded = pc.dictionary_encode(column) if _encodable(t) else None
-        if encoded is not None:
-            distinct = encoded.dictionary.to_pylist()
-            indices = encoded.indices.fill_null(0).to_numpy(zero_copy_only=False)
-        else:
-            distinct = column.to_pylist()
-            indices = np.arange(len(column))
-        table = np.fromiter(
-            (zlib.crc32(v if isinstance(v, bytes) else repr(v).encode()) for v in distinct),
-            dtype=np.uint64,
-            count=len(distinct),
-        )
-        values = _mix(table[indices] if len(distinct) else np.zeros(len(column), np.uint64))
-    if column.null_count:
-        values = np.where(np.asarray(column.is_null().to_numpy(zero_copy_only=False)), _NULL_HASH, values)
-    return values
-
-
-def _encodable(t: pa.DataType) -> bool:
-    return bool(
-        pa.types.is_string(t)
-        or pa.types.is_large_string(t)
-        or pa.types.is_binary(t)
-        or pa.types.is_large_binary(t)
-        or pa.types.is_fixed_size_binary(t)
-        or pa.types.is_decimal(t)
-    )
-
 
 def hash_partition(batch: pa.RecordBatch, key: str | Sequence[str], n: int) -> npt.NDArray[np.int64]:
     """Destination task per row: a hash of the ``key`` column(s) modulo ``n``, the same in every process.
@@ -137,15 +74,14 @@ def hash_partition(batch: pa.RecordBatch, key: str | Sequence[str], n: int) -> n
     keys = [key] if isinstance(key, str) else list(key)
     if not keys:
         raise DissocError("hash_partition: expected at least one key column")
-    h = np.zeros(batch.num_rows, dtype=np.uint64)
+    hashes = []
     for name in keys:
         if name not in batch.schema.names:
             raise DissocError(
                 f"hash_partition: no column {name!r} (columns: {', '.join(batch.schema.names)})"
             )
-        with np.errstate(over="ignore"):
-            h = _mix(h * np.uint64(31) + _column_hash(batch.column(name)))
-    return (h % np.uint64(n)).astype(np.int64)
+        hashes.append(column_hash(batch.column(name)))
+    return np.asarray(destinations(row_hash(hashes, batch.num_rows), n), dtype=np.int64)
 
 
 def _split(batch: pa.RecordBatch, destinations: npt.ArrayLike, n: int) -> list[pa.RecordBatch]:
@@ -315,7 +251,7 @@ def _partition_device(
         if on_device:
             from dissoc.device.partition import partition_device_batch
 
-            parts = partition_device_batch(batch, key, n)
+            parts: list[Any] = partition_device_batch(batch, key, n)
         else:
             host = batch.to_arrow()
             dest = _destinations(host, n, key, partitioner)
