@@ -185,13 +185,7 @@ def exchange_task(
                 raise RuntimeError(f"device-fake: DISSOC_DEVICE_BACKEND is {backend!r} in this worker")
             data = [DeviceBatch.from_arrow(b) for b in data]
         uploaded = time.perf_counter()
-        try:
-            result = dissoc.spark.exchange(data, key="k", timeout=timeout, **kwargs)
-        except TypeError as e:  # the same in every task, before any of them reaches allGather
-            if "unexpected keyword" not in str(e):
-                raise
-            yield _task_row(0, 0, 0, skipped=f"exchange() does not take {sorted(kwargs)}: {e}")
-            return
+        result = dissoc.spark.exchange(data, key="k", timeout=timeout, **kwargs)
         rows, nbytes, ksum = _count(result, check=check or not device)
         done = time.perf_counter()
         yield _task_row(
@@ -201,7 +195,7 @@ def exchange_task(
             input_s=read - start,
             upload_s=uploaded - read,
             exchange_s=done - uploaded,
-            report=getattr(result, "report", None),
+            report={"peers": [r.as_dict() for r in result.report], "seconds": result.seconds},
         )
 
     return run
@@ -244,16 +238,9 @@ def probe(name: str, exchange: Callable[..., Any]) -> tuple[dict[str, Any] | Non
     """``(kwargs to call exchange() with, why the path is skipped, a note)`` for a dissoc path, asked of
     ``exchange``'s signature on the driver (the workers import the same dissoc)."""
     kwargs = PATHS[name]
-    signature = inspect.signature(exchange)
     try:
-        signature.bind([], key="k", timeout=1.0, **kwargs)
-    except TypeError as e:
-        if name == "tcp" and not {"transport", "body"} & set(signature.parameters):
-            return (
-                {},
-                None,
-                "exchange() takes no transport/body yet: called without (its only path: TCP, packed)",
-            )
+        inspect.signature(exchange).bind([], key="k", timeout=1.0, **kwargs)
+    except TypeError as e:  # an older dissoc on the driver
         return None, f"exchange() does not take {', '.join(sorted(kwargs))} ({e})", None
     if name == "ucx":
         got = subprocess.run(

@@ -290,18 +290,35 @@ def _body_bytes(batches: list[Any], schema: pa.Schema | None) -> int:
     return total
 
 
+class _Clock:
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self._last
+        self._last = now
+
+
 class ExchangeResult(Iterator[Any]):
     """The rows this task received (an iterator of ``pa.RecordBatch``, or of
     :class:`~dissoc.device.DeviceBatch` when they landed on the device), and :attr:`report`: one
     :class:`PeerReport` per peer that sent rows, saying which path they took."""
 
-    def __init__(self, batches: list[Any], report: list[PeerReport], partitioned_on: str) -> None:
+    def __init__(
+        self, batches: list[Any], report: list[PeerReport], partitioned_on: str, seconds: dict[str, float]
+    ) -> None:
         self._batches = iter(batches)
         #: How each peer's rows came (peer, path, transport, body, memory, landing, zero_copy, rows, bytes,
         #: seconds), in peer order.
         self.report = report
         #: Where this task split its rows: ``"host"`` or ``"device"``.
         self.partitioned_on = partitioned_on
+        #: Seconds spent in each phase, in order: ``input`` (gathering the rows), ``partition``, ``agree``
+        #: (the first allGather: paths), ``serve`` (starting servers), ``swap`` (URIs and tickets),
+        #: ``fetch``, ``barrier`` (waiting for the peers to finish reading), ``stop``.
+        self.seconds = seconds
 
     def __iter__(self) -> ExchangeResult:
         return self
@@ -400,7 +417,9 @@ def exchange(
     addresses = [info.address for info in context.getTaskInfos()]
     n, me = len(addresses), context.partitionId()
 
+    clock = _Clock()
     items = list(_items(data))
+    clock.lap("input")
     kinds = {isinstance(b, DeviceBatch) for b in items}
     if len(kinds) > 1:
         raise DissocError("exchange: a task's rows are either all pyarrow batches or all DeviceBatches")
@@ -413,6 +432,7 @@ def exchange(
     else:
         buckets, partitioned_on = _partition_host(items, n, key, partitioner, schema), "host"
     del items
+    clock.lap("partition")
 
     # Round 1: what every task can do, so that all agree on every pair's path before any server starts.
     caps = Capabilities.here(device=device_in)
@@ -420,6 +440,7 @@ def exchange(
     choice = {"transport": transport, "body": body, "memory": memory, "landing": landing}
     outgoing = {j: choose(caps, infos[j], **choice) for j in range(n) if j != me}
     incoming = {i: choose(infos[i], caps, **choice) for i in range(n) if i != me}
+    clock.lap("agree")
 
     bind = _bind_host(host, addresses, me)
     secret = Secret.generate()  # this task's, for this stage only
@@ -458,8 +479,10 @@ def exchange(
         )
         for j, path in outgoing.items():
             log.info("exchange task %d/%d sends to %d by %s", me, n, j, path.name)
+        clock.lap("serve")
         # Round 2: the servers' URIs and the tickets.
         peers = [json.loads(m) for m in context.allGather(mine)]
+        clock.lap("swap")
         sources = [i for i in range(n) if i != me and peers[i]["serves"]]
         received: dict[int, list[Any]] = {}
         report: list[PeerReport] = []
@@ -490,10 +513,16 @@ def exchange(
                 out.extend(_land_own(buckets[me], device_in, out_landing))
             else:
                 out.extend(received.get(i, []))
+        clock.lap("fetch")
         # Nobody shuts down while a peer may still be reading from it.
         context.barrier()
+        clock.lap("barrier")
     finally:
         for server in servers.values():
             server.stop(timeout)
-    log.info("exchange task %d/%d received %d rows", me, n, sum(int(b.num_rows) for b in out))
-    return ExchangeResult(out, report, partitioned_on)
+    clock.lap("stop")
+    log.info(
+        "exchange task %d/%d received %d rows (%s)",
+        me, n, sum(int(b.num_rows) for b in out), ", ".join(f"{k} {v:.3f} s" for k, v in clock.laps.items()),
+    )  # fmt: skip
+    return ExchangeResult(out, report, partitioned_on, clock.laps)
