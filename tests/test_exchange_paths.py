@@ -147,7 +147,8 @@ def _task(choice: dict[str, Any], device: bool) -> Any:
         from dissoc.memory.cuda import FakeDeviceBackend, use_backend
 
         me = BarrierTaskContext.get().partitionId()
-        with use_backend(FakeDeviceBackend()) if device else contextlib.nullcontext():
+        on_device = device or choice.get("landing") == "device"
+        with use_backend(FakeDeviceBackend()) if on_device else contextlib.nullcontext():
             result = dissoc.spark.exchange(_rows(me, device), key="k", **choice)
             got = list(result)
             kinds = sorted({type(b).__name__ for b in got})
