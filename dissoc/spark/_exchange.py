@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
+from dissoc.datasets.base import Dataset
 from dissoc.errors import DissocError
 from dissoc.hashing import column_hash, destinations, row_hash
 from dissoc.spark._paths import (
@@ -315,9 +316,9 @@ class ExchangeResult(Iterator[Any]):
         self.report = report
         #: Where this task split its rows: ``"host"`` or ``"device"``.
         self.partitioned_on = partitioned_on
-        #: Seconds spent in each phase, in order: ``input`` (gathering the rows), ``partition``, ``agree``
-        #: (the first allGather: paths), ``serve`` (starting servers), ``swap`` (URIs and tickets),
-        #: ``fetch``, ``barrier`` (waiting for the peers to finish reading), ``stop``.
+        #: Seconds spent in each phase, in order: ``input`` (gathering the rows), ``partition``, ``serve``
+        #: (starting servers), ``swap`` (the allGather of capabilities, URIs and tickets), ``fetch``,
+        #: ``wait`` (until every peer is done reading from this task), ``stop``.
         self.seconds = seconds
 
     def __iter__(self) -> ExchangeResult:
@@ -337,9 +338,11 @@ def _key(path: Path) -> str:
 
 
 def _fetch(
-    peer: int, path: Path, server: dict[str, str], ticket: str, timeout: float
+    peer: int, path: Path, server: dict[str, str], tickets: list[str], timeout: float
 ) -> tuple[list[Any], PeerReport]:
-    """Fetch one peer's bucket for this task along ``path`` (runs in a worker thread)."""
+    """Fetch one peer's bucket for this task along ``path``, then tell the peer it is done with its
+    servers (runs in a worker thread)."""
+    ticket, done = tickets
     from dissoc.client import ClientOptions, fetch, fetch_device
 
     options = ClientOptions(
@@ -353,6 +356,10 @@ def _fetch(
         table = fetch(server["uri"], ticket, data_uri=server["data_uri"], options=options)
         batches = [b for b in table.to_batches() if b.num_rows]
     seconds = time.perf_counter() - started
+    try:  # done: the peer may stop serving (an error here costs nothing: everything has arrived)
+        fetch(server["uri"], done, data_uri=server["data_uri"], options=ClientOptions(timeout=timeout))
+    except DissocError as e:
+        log.debug("exchange: saying done to peer %d failed: %s", peer, e)
     report = PeerReport(
         peer=peer,
         path=path.name,
@@ -379,6 +386,90 @@ def _land_own(bucket: list[Any], device_in: bool, landing: str) -> list[Any]:
     return bucket
 
 
+class _Done(Dataset):
+    """``done-J``: peer J asks for it once it has every row this task sent it, so that this task's servers
+    stop as soon as every peer is through with them (no barrier round: Spark's barrier calls poll once a
+    second). Serves no rows."""
+
+    def __init__(self, name: str, arrived: Callable[[], None]) -> None:
+        super().__init__(name)
+        self._arrived = arrived
+
+    @property
+    def schema(self) -> pa.Schema:
+        return _DONE_SCHEMA
+
+    def open(self) -> Iterator[pa.RecordBatch]:
+        self._arrived()
+        return iter(())
+
+
+_DONE_SCHEMA = pa.schema([("done", pa.int8())])
+
+
+class _Waiter:
+    """Counts the peers that said they are done; :meth:`wait` returns when all have (or on timeout)."""
+
+    def __init__(self, peers: set[int]) -> None:
+        self._left = set(peers)
+        self._lock = threading.Lock()
+        self._all = threading.Event()
+        if not self._left:
+            self._all.set()
+
+    def arrived(self, peer: int) -> Callable[[], None]:
+        def mark() -> None:
+            with self._lock:
+                self._left.discard(peer)
+                if not self._left:
+                    self._all.set()
+
+        return mark
+
+    def wait(self, timeout: float) -> set[int]:
+        """The peers still not done after ``timeout`` seconds (empty when all were)."""
+        self._all.wait(timeout)
+        with self._lock:
+            return set(self._left)
+
+
+def _server_paths(
+    me: Capabilities, addresses: list[str], index: int, choice: dict[str, str]
+) -> dict[str, Path]:
+    """The servers this task starts before it knows its peers: one per path any of them may choose.
+
+    A peer whose Spark address names this task's host may share its node (pairs in place); one elsewhere
+    gets packed bodies, over UCX if it loads ucxx. TCP with packed bodies always runs too (unless the
+    choice rules it out): it is what a receiver falls back to when it expected a path this task did not
+    start (say, two containers on one host with separate ``/dev/shm``).
+    """
+    mine = _task_host(addresses[index])
+    places = {_task_host(a) == mine for i, a in enumerate(addresses) if i != index}
+    out: dict[str, Path] = {}
+    for same in places:
+        for ucx in (True, False):
+            receiver = Capabilities(node=me.node if same else f"not {me.node}", ucx=ucx, device=me.device)
+            try:
+                path = choose(me, receiver, **choice)
+            except DissocError:
+                continue
+            out.setdefault(_key(path), path)
+    fallback = _fallback(me, choice)
+    if fallback is not None:
+        out.setdefault(_key(fallback), fallback)
+    return out
+
+
+def _fallback(sender: Capabilities, choice: dict[str, str]) -> Path | None:
+    """TCP with packed bodies, where the choice allows it."""
+    if choice["transport"] not in ("auto", "tcp") or choice["body"] not in ("auto", "packed"):
+        return None
+    if choice["memory"] != "auto":
+        return None
+    landing = choice["landing"] if choice["landing"] != "auto" else ("device" if sender.device else "host")
+    return Path(transport="tcp", body="packed", memory=None, landing=landing)
+
+
 def exchange(
     data: ExchangeData,
     *,
@@ -398,13 +489,14 @@ def exchange(
 
     from dissoc.device import DeviceBatch
 
-    for what, value, allowed in (
-        ("transport", transport, TRANSPORTS),
-        ("body", body, BODIES),
-        ("memory", memory, MEMORIES),
-        ("landing", landing, LANDINGS),
+    choice = {"transport": transport, "body": body, "memory": memory, "landing": landing}
+    for what, allowed in (
+        ("transport", TRANSPORTS),
+        ("body", BODIES),
+        ("memory", MEMORIES),
+        ("landing", LANDINGS),
     ):
-        check_choice(what, value, allowed)
+        check_choice(what, choice[what], allowed)
     try:
         context = BarrierTaskContext.get()
     except Exception as e:  # PySpark raises its own errors outside a barrier stage
@@ -434,69 +526,58 @@ def exchange(
     del items
     clock.lap("partition")
 
-    # Round 1: what every task can do, so that all agree on every pair's path before any server starts.
     caps = Capabilities.here(device=device_in)
-    infos = [Capabilities.from_json(json.loads(m)) for m in context.allGather(json.dumps(caps.to_json()))]
-    choice = {"transport": transport, "body": body, "memory": memory, "landing": landing}
-    outgoing = {j: choose(caps, infos[j], **choice) for j in range(n) if j != me}
-    incoming = {i: choose(infos[i], caps, **choice) for i in range(n) if i != me}
-    clock.lap("agree")
-
     bind = _bind_host(host, addresses, me)
     secret = Secret.generate()  # this task's, for this stage only
     servers: dict[str, _ServerThread] = {}
+    waiter = _Waiter({j for j in range(n) if j != me} if schema is not None else set())
     try:
         if schema is not None:
-            groups: dict[str, list[int]] = {}
-            for j, path in outgoing.items():
-                groups.setdefault(_key(path), []).append(j)
-            for name, peers_of in groups.items():
-                path = outgoing[peers_of[0]]
+            for name, path in _server_paths(caps, addresses, me, choice).items():
                 datasets: dict[str, Any] = {}
-                for j in peers_of:
+                for j in range(n):
+                    if j == me:
+                        continue
                     if device_in:
                         from dissoc.datasets.in_memory import DeviceDataset
 
                         datasets[f"to-{j}"] = DeviceDataset(f"to-{j}", buckets[j], schema)
                     else:
                         datasets[f"to-{j}"] = pa.Table.from_batches(buckets[j], schema=schema)
+                    datasets[f"done-{j}"] = _Done(f"done-{j}", waiter.arrived(j))
                 options: dict[str, Any] = {"transport": path.transport, "body": path.body}
                 if path.body == "pairs":
-                    room = sum(_body_bytes(buckets[j], schema) for j in peers_of) + (1 << 20)
+                    room = sum(_body_bytes(buckets[j], schema) for j in range(n) if j != me) + (1 << 20)
                     # Each peer may hold all of its bucket at once (zero-copy batches until released).
                     options.update(memory=path.memory, arena_bytes=room, max_unfreed_bytes=room)
                 server = _ServerThread(datasets, bind, port if not servers else 0, secret, **options)
                 server.start(timeout)
                 servers[name] = server
-        # Peer j gets a ticket for its own bucket only.
-        tickets = {str(j): secret.mint(f"to-{j}", ttl=_TICKET_TTL) for j in range(n) if j != me}
-        mine = json.dumps(
-            {
-                "servers": {k: {"uri": s.uri, "data_uri": s.data_uri} for k, s in servers.items()},
-                "serves": schema is not None,
-                "tickets": tickets,
-            }
-        )
-        for j, path in outgoing.items():
-            log.info("exchange task %d/%d sends to %d by %s", me, n, j, path.name)
         clock.lap("serve")
-        # Round 2: the servers' URIs and the tickets.
-        peers = [json.loads(m) for m in context.allGather(mine)]
+        # Peer j gets tickets for its own bucket (and for saying it is done) only.
+        tickets = {
+            str(j): [secret.mint(f"to-{j}", ttl=_TICKET_TTL), secret.mint(f"done-{j}", ttl=_TICKET_TTL)]
+            for j in range(n)
+            if j != me
+        }
+        mine = {
+            "caps": caps.to_json(),
+            "servers": {k: {"uri": s.uri, "data_uri": s.data_uri} for k, s in servers.items()},
+            "serves": schema is not None,
+            "tickets": tickets,
+        }
+        # The one round: what every task can do, its servers' URIs and its tickets.
+        peers = [json.loads(m) for m in context.allGather(json.dumps(mine))]
         clock.lap("swap")
+        infos = [Capabilities.from_json(p["caps"]) for p in peers]
         sources = [i for i in range(n) if i != me and peers[i]["serves"]]
+        plan = {i: _source_path(i, infos[i], caps, peers[i]["servers"], choice) for i in sources}
         received: dict[int, list[Any]] = {}
         report: list[PeerReport] = []
         if sources:
             with ThreadPoolExecutor(max_workers=min(len(sources), 16)) as pool:
                 futures = {
-                    i: pool.submit(
-                        _fetch,
-                        i,
-                        incoming[i],
-                        peers[i]["servers"][_key(incoming[i])],
-                        peers[i]["tickets"][str(me)],
-                        timeout,
-                    )
+                    i: pool.submit(_fetch, i, plan[i][0], plan[i][1], peers[i]["tickets"][str(me)], timeout)
                     for i in sources
                 }
                 for i in sources:
@@ -514,9 +595,14 @@ def exchange(
             else:
                 out.extend(received.get(i, []))
         clock.lap("fetch")
-        # Nobody shuts down while a peer may still be reading from it.
-        context.barrier()
-        clock.lap("barrier")
+        # Nobody's servers stop while a peer may still read from them: each waits for its peers' done-J.
+        late = waiter.wait(timeout)
+        if late:
+            log.warning(
+                "exchange task %d/%d: peers %s did not say they were done within %s s; stopping anyway",
+                me, n, sorted(late), timeout,
+            )  # fmt: skip
+        clock.lap("wait")
     finally:
         for server in servers.values():
             server.stop(timeout)
@@ -526,3 +612,28 @@ def exchange(
         me, n, sum(int(b.num_rows) for b in out), ", ".join(f"{k} {v:.3f} s" for k, v in clock.laps.items()),
     )  # fmt: skip
     return ExchangeResult(out, report, partitioned_on, clock.laps)
+
+
+def _source_path(
+    peer: int,
+    sender: Capabilities,
+    me: Capabilities,
+    servers: dict[str, dict[str, str]],
+    choice: dict[str, str],
+) -> tuple[Path, dict[str, str]]:
+    """The path from ``peer`` and the server of it to fetch from (TCP packed if ``peer`` did not start the
+    one this task would choose)."""
+    path = choose(sender, me, **choice)
+    server = servers.get(_key(path))
+    if server is None:
+        fallback = _fallback(sender, choice)
+        server = servers.get(_key(fallback)) if fallback is not None else None
+        if fallback is None or server is None:
+            raise DissocError(
+                f"exchange: peer {peer} serves {sorted(servers)}, not {path.name} (which "
+                f"transport={choice['transport']!r}, body={choice['body']!r}, memory={choice['memory']!r} "
+                "leave as the only path between them)"
+            )
+        log.info("exchange: peer %d did not start %s; falling back to %s", peer, path.name, fallback.name)
+        path = fallback
+    return path, server
