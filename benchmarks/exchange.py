@@ -16,8 +16,7 @@ cache before anything is timed, then times, in alternating rounds (shuffle, each
   ========== ===============================================================================================
   path       kwargs
   ========== ===============================================================================================
-  tcp        ``transport="tcp", body="packed"`` (an ``exchange()`` without ``transport``/``body`` only
-             has this path: it is then called without them, and the JSON says so)
+  tcp        ``transport="tcp", body="packed"``
   ucx        ``transport="ucx", body="packed"`` (only when ``ucxx`` imports)
   pairs-shm  ``transport="tcp", body="pairs", memory="shm"`` (bodies in shared memory between executors)
   auto       none (``exchange()`` picks)
@@ -26,9 +25,6 @@ cache before anything is timed, then times, in alternating rounds (shuffle, each
              workers only (see :func:`worker_env`), and consumes the ``DeviceBatch`` es it receives
              (``num_rows``, ``nbytes``; the key checksum, through ``to_arrow()``, only with ``--check``)
   ========== ===============================================================================================
-
-  A path whose kwargs ``exchange()`` does not take (a ``TypeError``: they are still being added) is
-  skipped, saying why.
 
 ``consume`` iterates the batches and yields one row per task: rows, Arrow bytes, the sum of ``k`` (the
 checksum) and the seconds the task spent. Every path's total rows and checksum must equal those of the same
@@ -175,7 +171,9 @@ def exchange_task(
         import dissoc.spark
 
         start = time.perf_counter()
-        data: list[Any] = list(batches)
+        # Host paths hand exchange() the stream itself (it splits batches as Spark hands them over);
+        # the device path reads them first, to upload them.
+        data: Any = list(batches) if device else batches
         read = time.perf_counter()
         if device:
             from dissoc.device import DeviceBatch

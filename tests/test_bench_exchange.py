@@ -53,5 +53,7 @@ def test_exchange_benchmark_smoke_run() -> None:
         assert sum(task["rows"] for task in runs[name]["tasks"]) == ROWS
         assert len(runs[name]["tasks"]) == 2
     assert summaries["shuffle"]["vs_shuffle"] == pytest.approx(1.0)
-    assert "report" in runs["tcp"] and "report" in summaries["tcp"]
+    for task in summaries["tcp"]["report"]:
+        assert [peer["path"] for peer in task["peers"]] == ["tcp"]
+        assert set(task["seconds"]) >= {"partition", "swap", "fetch", "wait"}
     assert "vs shuffle" in got.stderr and "MISMATCH" not in got.stderr

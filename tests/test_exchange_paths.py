@@ -163,6 +163,8 @@ def _task(choice: dict[str, Any], device: bool) -> Any:
                 "f_nulls": table.column("f").null_count,
                 "report": [r.as_dict() for r in result.report],
                 "partitioned_on": result.partitioned_on,
+                "rendezvous": result.rendezvous,
+                "phases": sorted(result.seconds),
             }
         )
 
@@ -258,6 +260,35 @@ def test_exchange_path_in_local_mode(spark: Any, choice: dict[str, str], device:
     for r in results:
         assert r["report"][0]["path"] == path
         assert r["partitioned_on"] == ("device" if device else "host")
+        assert r["rendezvous"] == "files"  # local mode: one host
+        assert set(r["phases"]) == {"partition", "serve", "swap", "fetch", "wait", "stop"}
+
+
+@pytest.mark.spark
+def test_exchange_through_spark_all_gather(spark: Any) -> None:
+    results = _check(_run(spark, {"rendezvous": "allgather"}, False), False)
+    assert {r["rendezvous"] for r in results} == {"allgather"}
+    assert {r["report"][0]["path"] for r in results} == {"tcp+pairs-shm"}
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith("dissoc-exchange-")]
+
+
+@pytest.mark.spark
+def test_a_task_with_no_rows_and_no_schema_still_meets_its_peers(spark: Any) -> None:
+    def run(_: Iterator[Any]) -> Iterator[str]:
+        from pyspark import BarrierTaskContext
+
+        import dissoc.spark
+
+        me = BarrierTaskContext.get().partitionId()
+        rows = _rows(me, False) if me == 0 else []
+        result = dissoc.spark.exchange(rows, key="k")
+        yield json.dumps({"me": me, "rows": sum(b.num_rows for b in result), "from": len(result.report)})
+
+    rdd = spark.sparkContext.parallelize([0, 1], 2)
+    got = sorted((json.loads(o) for o in rdd.barrier().mapPartitions(run).collect()), key=lambda r: r["me"])
+    assert got[0]["rows"] + got[1]["rows"] == N_ROWS
+    assert got[0]["from"] == 0 and got[1]["from"] == 1  # task 1 served nothing, task 0 did
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith("dissoc-exchange-")]
 
 
 @pytest.mark.spark

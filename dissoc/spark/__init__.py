@@ -254,6 +254,7 @@ def exchange(
     body: str = "auto",
     memory: str = "auto",
     landing: str = "auto",
+    rendezvous: str | None = None,
 ) -> ExchangeResult:
     """Swap rows between the tasks of a barrier stage over dissoc; returns this task's rows.
 
@@ -272,7 +273,13 @@ def exchange(
     the path for every peer; ``"auto"`` (each one's default) picks per peer the fastest both share: pairs
     read in place (shared memory, or CUDA IPC for device rows) on one node, UCX between nodes when ucxx
     loads on both, TCP otherwise. The result iterates the received batches; its ``report`` says, per peer,
-    the path taken, rows, bytes and seconds.
+    the path taken, rows, bytes and seconds; its ``seconds`` the time of each phase.
+
+    ``rendezvous``: how the tasks swap their servers' URIs: ``"allgather"`` (Spark's, which costs about a
+    second: Spark waits for barrier calls in one-second steps), ``"files"`` (a private folder of
+    ``/dev/shm``, for stages whose tasks all run on one host sharing it) or ``"auto"`` (files when Spark's
+    task addresses all name one host). None: ``$DISSOC_SPARK_RENDEZVOUS``, else ``"auto"``. Executors on
+    one host with separate ``/dev/shm`` (containers) need ``"allgather"``.
     """
     require_pyspark()
     from dissoc.spark._exchange import exchange as run
@@ -289,4 +296,5 @@ def exchange(
         body=body,
         memory=memory,
         landing=landing,
+        rendezvous=rendezvous,
     )

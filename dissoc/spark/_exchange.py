@@ -44,6 +44,7 @@ from dissoc.spark._paths import (
     check_choice,
     choose,
 )
+from dissoc.spark._rendezvous import FileRendezvous, rendezvous_kind
 from dissoc.tokens import Secret
 
 __all__ = ["ExchangeResult", "Partitioner", "exchange", "hash_partition"]
@@ -60,6 +61,10 @@ ExchangeData: TypeAlias = "Iterable[Any] | pa.Table | pa.RecordBatch | Any"
 #: How long the tickets a task hands its peers stay valid: its server and its secret end with the stage, and
 #: a peer may reach allGather long after this task did.
 _TICKET_TTL = 24 * 3600
+
+RENDEZVOUS_ENV = "DISSOC_SPARK_RENDEZVOUS"
+"""Environment variable with the default ``rendezvous`` (``auto``, ``allgather`` or ``files``): set it alike
+on every executor."""
 
 HOST_ENV = "DISSOC_SPARK_HOST"
 """Environment variable naming the address exchange servers bind to and advertise (overrides the default)."""
@@ -218,7 +223,11 @@ def _destinations(batch: pa.RecordBatch, n: int, key: Any, partitioner: Partitio
 
 
 def _partition_host(
-    batches: list[pa.RecordBatch], n: int, key: Any, partitioner: Partitioner | None, schema: pa.Schema | None
+    batches: Iterable[pa.RecordBatch],
+    n: int,
+    key: Any,
+    partitioner: Partitioner | None,
+    schema: pa.Schema | None,
 ) -> list[list[pa.RecordBatch]]:
     buckets: list[list[pa.RecordBatch]] = [[] for _ in range(n)]
     for batch in batches:
@@ -235,7 +244,7 @@ def _partition_host(
 
 
 def _partition_device(
-    batches: list[Any], n: int, key: Any, partitioner: Partitioner | None
+    batches: Iterable[Any], n: int, key: Any, partitioner: Partitioner | None, schema: pa.Schema | None
 ) -> tuple[list[list[Any]], str]:
     """Device batches into buckets: on the device where :mod:`dissoc.device.partition` can (fixed-width
     columns, a key), else through the host (download, split, upload). Returns the buckets and where."""
@@ -247,7 +256,7 @@ def _partition_device(
             for j in range(n):
                 buckets[j].append(batch)
         return buckets, "device"
-    on_device = partitioner is None and _device_partitioning(batches, key)
+    on_device = partitioner is None and _device_partitioning(schema, key)
     for batch in batches:
         if on_device:
             from dissoc.device.partition import partition_device_batch
@@ -263,14 +272,10 @@ def _partition_device(
     return buckets, "device" if on_device else "host"
 
 
-def _device_partitioning(batches: list[Any], key: Any) -> bool:
-    if not batches:
-        return True
-    try:
-        from dissoc.device.partition import can_partition_on_device
-    except ImportError:
-        return False
-    return bool(can_partition_on_device(batches[0].schema, key))
+def _device_partitioning(schema: pa.Schema | None, key: Any) -> bool:
+    from dissoc.device.partition import can_partition_on_device
+
+    return schema is None or bool(can_partition_on_device(schema, key))
 
 
 def _body_bytes(batches: list[Any], schema: pa.Schema | None) -> int:
@@ -308,7 +313,12 @@ class ExchangeResult(Iterator[Any]):
     :class:`PeerReport` per peer that sent rows, saying which path they took."""
 
     def __init__(
-        self, batches: list[Any], report: list[PeerReport], partitioned_on: str, seconds: dict[str, float]
+        self,
+        batches: list[Any],
+        report: list[PeerReport],
+        partitioned_on: str,
+        seconds: dict[str, float],
+        rendezvous: str,
     ) -> None:
         self._batches = iter(batches)
         #: How each peer's rows came (peer, path, transport, body, memory, landing, zero_copy, rows, bytes,
@@ -316,10 +326,13 @@ class ExchangeResult(Iterator[Any]):
         self.report = report
         #: Where this task split its rows: ``"host"`` or ``"device"``.
         self.partitioned_on = partitioned_on
-        #: Seconds spent in each phase, in order: ``input`` (gathering the rows), ``partition``, ``serve``
-        #: (starting servers), ``swap`` (the allGather of capabilities, URIs and tickets), ``fetch``,
+        #: Seconds spent in each phase, in order: ``partition`` (reading the rows and splitting them as they
+        #: come), ``serve``
+        #: (starting servers), ``swap`` (the rendezvous: capabilities, URIs and tickets), ``fetch``,
         #: ``wait`` (until every peer is done reading from this task), ``stop``.
         self.seconds = seconds
+        #: How the tasks found each other's servers: ``"files"`` (one host) or ``"allgather"``.
+        self.rendezvous = rendezvous
 
     def __iter__(self) -> ExchangeResult:
         return self
@@ -356,10 +369,7 @@ def _fetch(
         table = fetch(server["uri"], ticket, data_uri=server["data_uri"], options=options)
         batches = [b for b in table.to_batches() if b.num_rows]
     seconds = time.perf_counter() - started
-    try:  # done: the peer may stop serving (an error here costs nothing: everything has arrived)
-        fetch(server["uri"], done, data_uri=server["data_uri"], options=ClientOptions(timeout=timeout))
-    except DissocError as e:
-        log.debug("exchange: saying done to peer %d failed: %s", peer, e)
+    _say_done(peer, server, done, timeout)
     report = PeerReport(
         peer=peer,
         path=path.name,
@@ -373,6 +383,17 @@ def _fetch(
         seconds=seconds,
     )
     return batches, report
+
+
+def _say_done(peer: int, server: dict[str, str], ticket: str, timeout: float) -> None:
+    """Tell ``peer`` this task is done with it (its rows and its rendezvous file): it may stop serving. An
+    error costs nothing here (everything has arrived), so it is only logged."""
+    from dissoc.client import ClientOptions, fetch
+
+    try:
+        fetch(server["uri"], ticket, data_uri=server["data_uri"], options=ClientOptions(timeout=timeout))
+    except DissocError as e:
+        log.debug("exchange: saying done to peer %d failed: %s", peer, e)
 
 
 def _land_own(bucket: list[Any], device_in: bool, landing: str) -> list[Any]:
@@ -483,6 +504,7 @@ def exchange(
     body: str = "auto",
     memory: str = "auto",
     landing: str = "auto",
+    rendezvous: str | None = None,
 ) -> ExchangeResult:
     """Swap rows between the tasks of a Spark barrier stage over dissoc (see :mod:`dissoc.spark`)."""
     from pyspark import BarrierTaskContext
@@ -508,51 +530,73 @@ def exchange(
         raise DissocError("exchange: give key or partitioner, not both")
     addresses = [info.address for info in context.getTaskInfos()]
     n, me = len(addresses), context.partitionId()
+    meeting = rendezvous_kind(
+        rendezvous or os.environ.get(RENDEZVOUS_ENV) or "auto", [_task_host(a) for a in addresses]
+    )
+    files = None
+    if meeting == "files":
+        # No stage attempt number reaches Python: a retried attempt meets under the same name, and files
+        # its killed predecessors left are told apart by their writers (see FileRendezvous).
+        stage = json.dumps([context.stageId(), addresses])
+        files = FileRendezvous(stage, n, me)
 
     clock = _Clock()
-    items = list(_items(data))
-    clock.lap("input")
-    kinds = {isinstance(b, DeviceBatch) for b in items}
-    if len(kinds) > 1:
-        raise DissocError("exchange: a task's rows are either all pyarrow batches or all DeviceBatches")
-    device_in = kinds == {True}
-    if schema is None and items:
-        schema = items[0].schema
+    # Rows are split as they arrive: hashing overlaps Spark's handing over of the next batches.
+    stream = _items(data)
+    first = next(stream, None)
+    device_in = isinstance(first, DeviceBatch)
+    if schema is None and first is not None:
+        schema = first.schema
+
+    def rows() -> Iterator[Any]:
+        if first is None:
+            return
+        yield first
+        for item in stream:
+            if isinstance(item, DeviceBatch) != device_in:
+                raise DissocError(
+                    "exchange: a task's rows are either all pyarrow batches or all DeviceBatches"
+                )
+            yield item
+
     buckets: list[list[Any]]
     if device_in:
-        buckets, partitioned_on = _partition_device(items, n, key, partitioner)
+        buckets, partitioned_on = _partition_device(rows(), n, key, partitioner, schema)
     else:
-        buckets, partitioned_on = _partition_host(items, n, key, partitioner, schema), "host"
-    del items
+        buckets, partitioned_on = _partition_host(rows(), n, key, partitioner, schema), "host"
     clock.lap("partition")
 
     caps = Capabilities.here(device=device_in)
     bind = _bind_host(host, addresses, me)
     secret = Secret.generate()  # this task's, for this stage only
     servers: dict[str, _ServerThread] = {}
-    waiter = _Waiter({j for j in range(n) if j != me} if schema is not None else set())
+    # Every peer says when it is done with this task (its rows, and its rendezvous file), even when this
+    # task has nothing to send (no rows, no schema): then it serves only that.
+    waiter = _Waiter({j for j in range(n) if j != me})
+    wanted = _server_paths(caps, addresses, me, choice)
+    if schema is None:
+        wanted = dict(list(wanted.items())[-1:])  # the fallback where there is one: nothing to send fast
     try:
-        if schema is not None:
-            for name, path in _server_paths(caps, addresses, me, choice).items():
-                datasets: dict[str, Any] = {}
-                for j in range(n):
-                    if j == me:
-                        continue
-                    if device_in:
-                        from dissoc.datasets.in_memory import DeviceDataset
+        for name, path in wanted.items():
+            datasets: dict[str, Any] = {}
+            for j in range(n):
+                if j == me:
+                    continue
+                if device_in:
+                    from dissoc.datasets.in_memory import DeviceDataset
 
-                        datasets[f"to-{j}"] = DeviceDataset(f"to-{j}", buckets[j], schema)
-                    else:
-                        datasets[f"to-{j}"] = pa.Table.from_batches(buckets[j], schema=schema)
-                    datasets[f"done-{j}"] = _Done(f"done-{j}", waiter.arrived(j))
-                options: dict[str, Any] = {"transport": path.transport, "body": path.body}
-                if path.body == "pairs":
-                    room = sum(_body_bytes(buckets[j], schema) for j in range(n) if j != me) + (1 << 20)
-                    # Each peer may hold all of its bucket at once (zero-copy batches until released).
-                    options.update(memory=path.memory, arena_bytes=room, max_unfreed_bytes=room)
-                server = _ServerThread(datasets, bind, port if not servers else 0, secret, **options)
-                server.start(timeout)
-                servers[name] = server
+                    datasets[f"to-{j}"] = DeviceDataset(f"to-{j}", buckets[j], schema)
+                elif schema is not None:
+                    datasets[f"to-{j}"] = pa.Table.from_batches(buckets[j], schema=schema)
+                datasets[f"done-{j}"] = _Done(f"done-{j}", waiter.arrived(j))
+            options: dict[str, Any] = {"transport": path.transport, "body": path.body}
+            if path.body == "pairs":
+                room = sum(_body_bytes(buckets[j], schema) for j in range(n) if j != me) + (1 << 20)
+                # Each peer may hold all of its bucket at once (zero-copy batches until released).
+                options.update(memory=path.memory, arena_bytes=room, max_unfreed_bytes=room)
+            server = _ServerThread(datasets, bind, port if not servers else 0, secret, **options)
+            server.start(timeout)
+            servers[name] = server
         clock.lap("serve")
         # Peer j gets tickets for its own bucket (and for saying it is done) only.
         tickets = {
@@ -567,11 +611,17 @@ def exchange(
             "tickets": tickets,
         }
         # The one round: what every task can do, its servers' URIs and its tickets.
-        peers = [json.loads(m) for m in context.allGather(json.dumps(mine))]
+        message = json.dumps(mine)
+        gathered = files.gather(message, timeout) if files is not None else context.allGather(message)
+        peers = [json.loads(m) for m in gathered]
         clock.lap("swap")
         infos = [Capabilities.from_json(p["caps"]) for p in peers]
         sources = [i for i in range(n) if i != me and peers[i]["serves"]]
         plan = {i: _source_path(i, infos[i], caps, peers[i]["servers"], choice) for i in sources}
+        for i in range(n):
+            if i != me and not peers[i]["serves"]:
+                for server_of in list(peers[i]["servers"].values())[:1]:
+                    _say_done(i, server_of, peers[i]["tickets"][str(me)][1], timeout)
         received: dict[int, list[Any]] = {}
         report: list[PeerReport] = []
         if sources:
@@ -606,12 +656,14 @@ def exchange(
     finally:
         for server in servers.values():
             server.stop(timeout)
+        if files is not None:
+            files.finish()
     clock.lap("stop")
     log.info(
         "exchange task %d/%d received %d rows (%s)",
         me, n, sum(int(b.num_rows) for b in out), ", ".join(f"{k} {v:.3f} s" for k, v in clock.laps.items()),
     )  # fmt: skip
-    return ExchangeResult(out, report, partitioned_on, clock.laps)
+    return ExchangeResult(out, report, partitioned_on, clock.laps, meeting)
 
 
 def _source_path(
