@@ -16,6 +16,8 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 import pytest
+from hash_reference import column_hash as _column_hash
+from hash_reference import mix as _mix
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,7 +31,7 @@ from dissoc.device import (
 )
 from dissoc.errors import DissocError
 from dissoc.memory.cuda import DeviceBackend, FakeDeviceArray, FakeDeviceBackend, use_backend
-from dissoc.spark._exchange import _column_hash, _mix, hash_partition
+from dissoc.spark._exchange import hash_partition
 
 SETTINGS = settings(
     max_examples=30,
