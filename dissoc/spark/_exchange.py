@@ -228,8 +228,21 @@ def _partition_host(
     key: Any,
     partitioner: Partitioner | None,
     schema: pa.Schema | None,
+    me: int,
 ) -> list[list[pa.RecordBatch]]:
+    """This task's rows, bucket by destination task. The pieces bound for peers are gathered into batches
+    of about :data:`_COALESCE_BYTES` as they come (splitting batch by batch is what keeps the copy in
+    cache; sending thousands of small pieces is what costs: every batch is a message, a placement, a pair
+    list)."""
     buckets: list[list[pa.RecordBatch]] = [[] for _ in range(n)]
+    pending: list[list[pa.RecordBatch]] = [[] for _ in range(n)]
+    held = [0] * n
+
+    def flush(j: int) -> None:
+        if pending[j]:
+            parts, pending[j], held[j] = pending[j], [], 0
+            buckets[j].append(parts[0] if len(parts) == 1 else pa.concat_batches(parts))
+
     for batch in batches:
         if schema is not None and not batch.schema.equals(schema):
             batch = pa.RecordBatch.from_arrays(batch.columns, schema=schema)
@@ -238,9 +251,22 @@ def _partition_host(
                 buckets[j].append(batch)
             continue
         for j, part in enumerate(_split(batch, _destinations(batch, n, key, partitioner), n)):
-            if part.num_rows:
+            if not part.num_rows:
+                continue
+            if j == me:
                 buckets[j].append(part)
+                continue
+            pending[j].append(part)
+            held[j] += part.nbytes
+            if held[j] >= _COALESCE_BYTES:
+                flush(j)
+    for j in range(n):
+        flush(j)
     return buckets
+
+
+#: What the pieces of a bucket bound for a peer are gathered into (bytes a batch).
+_COALESCE_BYTES = 8 << 20
 
 
 def _partition_device(
@@ -563,7 +589,7 @@ def exchange(
     if device_in:
         buckets, partitioned_on = _partition_device(rows(), n, key, partitioner, schema)
     else:
-        buckets, partitioned_on = _partition_host(rows(), n, key, partitioner, schema), "host"
+        buckets, partitioned_on = _partition_host(rows(), n, key, partitioner, schema, me), "host"
     clock.lap("partition")
 
     caps = Capabilities.here(device=device_in)
