@@ -9,6 +9,9 @@ cache before anything is timed, then times, in alternating rounds (shuffle, each
 
 - ``shuffle``: ``df.repartition(2, "k").mapInArrow(consume, schema).collect()`` -- Spark's hash shuffle of
   its rows, then the same Arrow hand-over to Python every path has;
+- ``input``: ``df.mapInArrow(consume, schema).collect()``, no exchange at all: Spark handing the cached rows
+  to Python as Arrow, which every dissoc path pays before it exchanges anything (so the shuffle's time over
+  this one is the most any exchange can gain on the shuffle in this benchmark);
 - one row per dissoc path: ``df.mapInArrow(fn, schema, barrier=True).collect()`` where ``fn`` reads its
   partition's batches, calls ``dissoc.spark.exchange(batches, key="k", **kwargs)`` and runs the same
   ``consume`` on what it received:
@@ -81,8 +84,11 @@ PATHS: dict[str, dict[str, Any]] = {
     "device-fake": {"landing": "device"},
 }
 SHUFFLE = "shuffle"
+#: No exchange at all: Spark handing the cached rows to Python as Arrow, which every path pays first (the
+#: floor of the dissoc paths' time, and so the most any exchange can gain on the shuffle here).
+INPUT = "input"
 COPY = "memcpy"
-NAMES = [SHUFFLE, *PATHS]
+NAMES = [SHUFFLE, INPUT, *PATHS]
 #: The environment of the device-fake path's Python workers.
 DEVICE_ENV = {"DISSOC_DEVICE_BACKEND": "fake"}
 #: What each task yields (one row).
@@ -471,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
 
     paths = [Measured(n) for n in NAMES if n in chosen]
     for path in paths:
-        if path.name == SHUFFLE:
+        if path.name in (SHUFFLE, INPUT):
             continue
         path.kwargs, path.skipped, path.note = probe(path.name, dissoc.spark.exchange)
         if path.skipped:
@@ -520,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if path.name == SHUFFLE:
                 path.frame = df.repartition(PARTITIONS, "k").mapInArrow(consume, RESULT_SCHEMA)
+                continue
+            if path.name == INPUT:
+                path.frame = df.mapInArrow(consume, RESULT_SCHEMA)
                 continue
             device = path.name == "device-fake"
             assert path.kwargs is not None
@@ -605,8 +614,8 @@ def main(argv: list[str] | None = None) -> int:
         f"median of {repeat} after {args.warmup} warm-up"
     )
     print(format_table(summaries, header), file=table_out)
-    for text in mismatches:
-        print(f"MISMATCH: {text}", file=table_out)
+    for mismatch in mismatches:
+        print(f"MISMATCH: {mismatch}", file=table_out)
     if mismatches:
         return 1
     return 1 if any(p.error for p in paths) else 0
