@@ -138,6 +138,13 @@ def _task_row(
     )
 
 
+def _report_of(result: Any) -> dict[str, Any] | None:
+    """What ``exchange()`` says of its paths and phases (an older dissoc's says nothing)."""
+    if not hasattr(result, "report"):
+        return None
+    return {"peers": [r.as_dict() for r in result.report], "seconds": getattr(result, "seconds", None)}
+
+
 def _count(batches: Any, *, check: bool = True) -> tuple[int, int, int | None]:
     """The consumer every path shares: rows, bytes and the sum of ``k`` of host batches; rows and device
     bytes of ``DeviceBatch`` es (their key sum through ``to_arrow()`` only when ``check``)."""
@@ -199,7 +206,7 @@ def exchange_task(
             input_s=read - start,
             upload_s=uploaded - read,
             exchange_s=done - uploaded,
-            report={"peers": [r.as_dict() for r in result.report], "seconds": result.seconds},
+            report=_report_of(result),
         )
 
     return run
