@@ -319,3 +319,26 @@ def test_exchange_between_two_executor_processes(spark: Any) -> None:
             assert {r["report"][0]["path"] for r in results} == {path}
     finally:
         cluster.stop()
+
+
+@pytest.mark.spark
+def test_two_exchanges_in_one_stage_meet_apart(spark: Any) -> None:
+    """Each call of a stage meets its own peers' call: the second does not read the first one's files."""
+
+    def run(_: Iterator[Any]) -> Iterator[str]:
+        from pyspark import BarrierTaskContext
+
+        import dissoc.spark
+
+        me = BarrierTaskContext.get().partitionId()
+        first = sum(b.num_rows for b in dissoc.spark.exchange(_rows(me, False), key="k"))
+        doubled = [b.append_column("w", pa.compute.multiply(b.column("v"), 2)) for b in _rows(me, False)]
+        second = list(dissoc.spark.exchange(doubled, key="k"))
+        yield json.dumps(
+            {"first": first, "second": sum(b.num_rows for b in second), "cols": second[0].num_columns}
+        )
+
+    rdd = spark.sparkContext.parallelize([0, 1], 2)
+    got = [json.loads(o) for o in rdd.barrier().mapPartitions(run).collect()]
+    assert sum(r["first"] for r in got) == sum(r["second"] for r in got) == 2 * N_ROWS
+    assert {r["cols"] for r in got} == {4}

@@ -1,22 +1,26 @@
 """Executor-to-executor exchange inside a Spark barrier stage (see :func:`dissoc.spark.exchange`).
 
-Every task of the stage: splits its rows into one bucket per task, serves the buckets from a dissoc
-server of its own (on a thread with its own event loop), swaps server URIs with the other tasks through
-``BarrierTaskContext.allGather``, fetches the buckets meant for it from every peer, then waits at a barrier
-(so no server stops while a peer still reads from it) and shuts its server down. A server therefore lives
-exactly as long as the barrier stage, which also keeps it clear of Python workers dying when idle.
+Every task of the stage: splits its rows into one bucket per task as Spark hands them over (on the device
+for device batches where it can), starts the servers its peers may choose a path to (:mod:`._paths`:
+pairs read in place on one node, UCX or TCP elsewhere; each server on a thread with its own event loop),
+swaps what it can do, its servers' URIs and its tickets with the other tasks in one round
+(:mod:`._rendezvous`: files in ``/dev/shm`` on one host, ``BarrierTaskContext.allGather`` otherwise),
+fetches the buckets meant for it from every peer along the path both choose, tells each peer it is done,
+and shuts its servers down once every peer has told it the same. A server therefore lives no longer than the
+barrier stage, which also keeps it clear of Python workers dying when idle.
 
-No outside process can read a stage's buckets: each task's server is started with a random secret of its own
-(:class:`dissoc.tokens.Secret`, made for this stage and never written anywhere), and serves only signed
-tickets made with it. The task mints one ticket per peer (for that peer's bucket only) and shares them with
-the URIs through ``allGather``, which travels over Spark's own channel (protected by ``spark.authenticate``
-where it is on); the secret itself never leaves the task, and dies with the stage's server.
+No outside process can read a stage's buckets: each task's servers are started with a random secret of its
+own (:class:`dissoc.tokens.Secret`, made for this stage and never written anywhere), and serve only signed
+tickets made with it. The task mints two tickets per peer (that peer's bucket, and its done request) and
+shares them through the rendezvous (``allGather`` travels over Spark's own channel, protected by
+``spark.authenticate`` where it is on; files are readable by the executors' user only); the secret itself
+never leaves the task, and dies with the stage's servers.
 """
-
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -65,6 +69,9 @@ _TICKET_TTL = 24 * 3600
 RENDEZVOUS_ENV = "DISSOC_SPARK_RENDEZVOUS"
 """Environment variable with the default ``rendezvous`` (``auto``, ``allgather`` or ``files``): set it alike
 on every executor."""
+
+#: Exchanges made so far by the task this worker runs (the file rendezvous names each call).
+_calls: dict[int, itertools.count[int]] = {}
 
 HOST_ENV = "DISSOC_SPARK_HOST"
 """Environment variable naming the address exchange servers bind to and advertise (overrides the default)."""
@@ -564,7 +571,12 @@ def exchange(
     if meeting == "files":
         # No stage attempt number reaches Python: a retried attempt meets under the same name, and files
         # its killed predecessors left are told apart by their writers (see FileRendezvous).
-        stage = json.dumps([context.stageId(), addresses])
+        # A task may exchange more than once in a stage: every task makes its calls in the same order.
+        task = context.taskAttemptId()
+        if task not in _calls:
+            _calls.clear()  # a Python worker runs one task at a time: earlier tasks' counts are done with
+            _calls[task] = itertools.count()
+        stage = json.dumps([context.stageId(), addresses, next(_calls[task])])
         files = FileRendezvous(stage, n, me)
 
     clock = _Clock()
