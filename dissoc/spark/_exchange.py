@@ -16,10 +16,12 @@ shares them through the rendezvous (``allGather`` travels over Spark's own chann
 ``spark.authenticate`` where it is on; files are readable by the executors' user only); the secret itself
 never leaves the task, and dies with the stage's servers.
 """
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -33,6 +35,7 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from dissoc.datasets.base import Dataset
 from dissoc.errors import DissocError
@@ -114,7 +117,8 @@ def _split(batch: pa.RecordBatch, destinations: npt.ArrayLike, n: int) -> list[p
     # task sends can be let go of (and their memory reused, warm) once gathered, apart from those it keeps.
     out, start = [], 0
     for count in counts.tolist():
-        out.append(batch.take(pa.array(order[start : start + count])) if count else batch.slice(0, 0))
+        piece = pc.take(batch, pa.array(order[start : start + count]), memory_pool=_pool()) if count else None
+        out.append(piece if piece is not None else batch.slice(0, 0))
         start += count
     return out
 
@@ -249,7 +253,7 @@ def _partition_host(
     def flush(j: int) -> None:
         if pending[j]:
             parts, pending[j], held[j] = pending[j], [], 0
-            buckets[j].append(parts[0] if len(parts) == 1 else pa.concat_batches(parts))
+            buckets[j].append(parts[0] if len(parts) == 1 else pa.concat_batches(parts, memory_pool=_pool()))
 
     for batch in batches:
         if schema is not None and not batch.schema.equals(schema):
@@ -275,6 +279,17 @@ def _partition_host(
 
 #: What the pieces of a bucket bound for a peer are gathered into (bytes a batch).
 _COALESCE_BYTES = 8 << 20
+
+
+@functools.cache
+def _pool() -> pa.MemoryPool:
+    """Where splitting allocates: jemalloc (else the system's), not pyarrow's default mimalloc, which gave
+    the pages of every 8 MiB batch back and faulted them in anew (splitting 22M rows here: 1.73 s with
+    mimalloc, 0.83 s with jemalloc, 0.82 s with the system allocator)."""
+    try:
+        return pa.jemalloc_memory_pool()
+    except NotImplementedError:  # a pyarrow built without it
+        return pa.system_memory_pool()
 
 
 def _partition_device(
