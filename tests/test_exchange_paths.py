@@ -298,30 +298,6 @@ def test_a_bad_choice_fails_the_stage_with_its_message(spark: Any) -> None:
 
 
 @pytest.mark.spark
-@pytest.mark.slow
-def test_exchange_between_two_executor_processes(spark: Any) -> None:
-    """local-cluster: two executor JVMs; the tasks' Python workers are children of different executors."""
-    spark.stop()  # one SparkContext per process
-    cluster = _session("local-cluster[2,1,1024]", "dissoc-exchange-cluster")
-    try:
-
-        def where(_: Iterator[Any]) -> Iterator[str]:
-            from pyspark import BarrierTaskContext
-
-            context = BarrierTaskContext.get()
-            yield json.dumps({"me": context.partitionId(), "pid": os.getppid()})
-
-        rdd = cluster.sparkContext.parallelize([0, 1], 2)
-        parents = {json.loads(o)["pid"] for o in rdd.barrier().mapPartitions(where).collect()}
-        assert len(parents) == 2  # two executors' daemons, not one
-        for device, path in ((False, "tcp+pairs-shm"), (True, "tcp+pairs-cuda->device")):
-            results = _check(_run(cluster, {}, device), device)
-            assert {r["report"][0]["path"] for r in results} == {path}
-    finally:
-        cluster.stop()
-
-
-@pytest.mark.spark
 def test_two_exchanges_in_one_stage_meet_apart(spark: Any) -> None:
     """Each call of a stage meets its own peers' call: the second does not read the first one's files."""
 
@@ -342,3 +318,29 @@ def test_two_exchanges_in_one_stage_meet_apart(spark: Any) -> None:
     got = [json.loads(o) for o in rdd.barrier().mapPartitions(run).collect()]
     assert sum(r["first"] for r in got) == sum(r["second"] for r in got) == 2 * N_ROWS
     assert {r["cols"] for r in got} == {4}
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_exchange_between_two_executor_processes(spark: Any) -> None:
+    """local-cluster: two executor JVMs; the tasks' Python workers are children of different executors.
+
+    Last in the module: it stops the module's local session (one SparkContext per process)."""
+    spark.stop()  # one SparkContext per process
+    cluster = _session("local-cluster[2,1,1024]", "dissoc-exchange-cluster")
+    try:
+
+        def where(_: Iterator[Any]) -> Iterator[str]:
+            from pyspark import BarrierTaskContext
+
+            context = BarrierTaskContext.get()
+            yield json.dumps({"me": context.partitionId(), "pid": os.getppid()})
+
+        rdd = cluster.sparkContext.parallelize([0, 1], 2)
+        parents = {json.loads(o)["pid"] for o in rdd.barrier().mapPartitions(where).collect()}
+        assert len(parents) == 2  # two executors' daemons, not one
+        for device, path in ((False, "tcp+pairs-shm"), (True, "tcp+pairs-cuda->device")):
+            results = _check(_run(cluster, {}, device), device)
+            assert {r["report"][0]["path"] for r in results} == {path}
+    finally:
+        cluster.stop()
