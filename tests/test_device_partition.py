@@ -26,6 +26,7 @@ from dissoc.device import (
     DeviceBatch,
     DeviceInterfaceError,
     can_partition_on_device,
+    concat_device_batches,
     device_destinations,
     partition_device_batch,
 )
@@ -493,3 +494,51 @@ def test_bad_arguments(backend: Any) -> None:
     duplicated = pa.RecordBatch.from_arrays([pa.array([1]), pa.array([2])], names=["a", "a"])
     with pytest.raises(DissocError, match="2 columns named 'a'"):
         device_destinations(DeviceBatch.from_arrow(duplicated), "a", 2)
+
+
+# ------------------------------------------------------------------------------------------------ concat
+
+
+def test_concat_gathers_rows_in_order_nulls_and_booleans_included(backend: Any) -> None:
+    parts = [
+        pa.record_batch(
+            {
+                "i": pa.array([1, None, 3], pa.int32()),
+                "f": pa.array([0.5, 1.5, None], pa.float64()),
+                "b": pa.array([True, False, None]),
+                "t": pa.array([1, 2, 3], pa.timestamp("us")),
+            }
+        ),
+        pa.record_batch(
+            {
+                "i": pa.array([4, 5], pa.int32()),
+                "f": pa.array([2.5, 3.5], pa.float64()),
+                "b": pa.array([False, True]),
+                "t": pa.array([4, None], pa.timestamp("us")),
+            }
+        ),
+        pa.record_batch(
+            {
+                "i": pa.array([], pa.int32()),
+                "f": pa.array([], pa.float64()),
+                "b": pa.array([], pa.bool_()),
+                "t": pa.array([], pa.timestamp("us")),
+            }
+        ),
+    ]
+    device = [DeviceBatch.from_arrow(p) for p in parts]
+    got = concat_device_batches(device).to_arrow()
+    assert got.equals(pa.Table.from_batches(parts).combine_chunks().to_batches()[0])
+    assert concat_device_batches(device[:1]) is device[0]
+
+
+def test_concat_refuses_what_it_cannot_gather(backend: Any) -> None:
+    a = DeviceBatch.from_arrow(pa.record_batch({"x": pa.array([1], pa.int64())}))
+    b = DeviceBatch.from_arrow(pa.record_batch({"y": pa.array([1], pa.int64())}))
+    s = DeviceBatch.from_arrow(pa.record_batch({"s": pa.array(["a"])}))
+    with pytest.raises(DissocError, match="different schemas"):
+        concat_device_batches([a, b])
+    with pytest.raises(DeviceInterfaceError):
+        concat_device_batches([s, s])
+    with pytest.raises(DissocError, match="at least one"):
+        concat_device_batches([])

@@ -21,7 +21,12 @@ from dissoc.device.batch import (
     DeviceMessage,
     typed_dtype,
 )
-from dissoc.device.partition import can_partition_on_device, device_destinations, partition_device_batch
+from dissoc.device.partition import (
+    can_partition_on_device,
+    concat_device_batches,
+    device_destinations,
+    partition_device_batch,
+)
 
 __all__ = [
     "DeviceBatch",
@@ -31,6 +36,7 @@ __all__ = [
     "DeviceInterfaceError",
     "DeviceMessage",
     "can_partition_on_device",
+    "concat_device_batches",
     "device_destinations",
     "partition_device_batch",
     "typed_dtype",

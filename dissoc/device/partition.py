@@ -38,7 +38,12 @@ from dissoc.hashing import destinations as bucket_of
 from dissoc.hashing import hashes_by_value, row_hash, unpack_bits, value_hash, with_nulls
 from dissoc.memory.cuda import DeviceBackend
 
-__all__ = ["can_partition_on_device", "device_destinations", "partition_device_batch"]
+__all__ = [
+    "can_partition_on_device",
+    "concat_device_batches",
+    "device_destinations",
+    "partition_device_batch",
+]
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +251,11 @@ def partition_device_batch(
         binned = xp.where((dest < 0) | (dest >= n), n, dest)
         tallies = [xp.bincount(binned, minlength=n + 2)]
         # Rows sorted by (destination, row): the keys are unique, so any sort keeps the rows' order.
-        order = xp.argsort(binned * rows + xp.arange(rows, dtype=xp.int64))
+        if xp is np and n + 2 <= 1 << 16:
+            # numpy sorts 16-bit integers stably by radix, in linear time
+            order = np.argsort(binned.astype(np.uint8 if n + 2 <= 256 else np.uint16), kind="stable")
+        else:
+            order = xp.argsort(binned * rows + xp.arange(rows, dtype=xp.int64))
         for k, g in enumerate(columns):
             fl = g.layout
             if fl.layout == Layout.NULL:
@@ -334,3 +343,51 @@ def _bucket(
         backend=backend,
         schema_info=batch.schema_info,
     )
+
+
+def concat_device_batches(batches: Sequence[DeviceBatch]) -> DeviceBatch:
+    """One device batch holding ``batches``' rows in order, gathered on the device into one new body.
+
+    The batches share one schema whose columns can all be gathered on the device (see
+    :func:`can_partition_on_device`); a single batch is returned as it is. Raises
+    :class:`~dissoc.device.DeviceInterfaceError` for a column that cannot be gathered, and
+    :class:`~dissoc.errors.DissocError` for no batches or batches of different schemas.
+    """
+    what = "concat_device_batches"
+    if not batches:
+        raise DissocError(f"{what}: expected at least one batch")
+    first = batches[0]
+    if len(batches) == 1:
+        return first
+    for b in batches:
+        if not b.schema.equals(first.schema, check_metadata=False):
+            raise DissocError(f"{what}: batches of different schemas: {first.schema} and {b.schema}")
+        _check_gatherable(b)
+    backend = first.backend
+    xp = backend.array_module
+    total = sum(int(b.num_rows) for b in batches)
+    columns = [_Gather(fl) for fl in first.layout.fields]
+    nulls: dict[int, int] = {}
+    for k, g in enumerate(columns):
+        if g.layout.layout == Layout.NULL:
+            continue
+        valids, parts = [], []
+        null_count = 0
+        for b in batches:
+            fl, body, rows = b.layout.fields[k], b.messages[-1].body, int(b.num_rows)
+            null_count += fl.null_count
+            valid = _validity(backend, fl, body, xp)
+            valids.append(valid if valid is not None else xp.ones(rows, xp.uint8))
+            if fl.layout == Layout.BOOL:
+                off, size = fl.buffers[1]
+                parts.append(_bits(backend, body[off : off + size], rows, xp))
+            else:
+                parts.append(_fixed_values(backend, fl, body, rows))
+        if null_count:
+            g.valid = xp.concatenate(valids)
+            nulls[k] = null_count
+        if g.layout.layout == Layout.BOOL:
+            g.bits = xp.concatenate(parts)
+        else:
+            g.values = xp.concatenate(parts)
+    return _bucket(first, backend, xp, columns, nulls, xp.arange(total, dtype=xp.int64), 0)

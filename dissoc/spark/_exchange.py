@@ -306,6 +306,8 @@ def _partition_device(
                 buckets[j].append(batch)
         return buckets, "device"
     on_device = partitioner is None and _device_partitioning(schema, key)
+    if on_device:
+        batches = _gathered(batches)
     for batch in batches:
         if on_device:
             from dissoc.device.partition import partition_device_batch
@@ -319,6 +321,26 @@ def _partition_device(
             if part is not None and part.num_rows:
                 buckets[j].append(part)
     return buckets, "device" if on_device else "host"
+
+
+def _gathered(batches: Iterable[Any]) -> Iterator[Any]:
+    """Device batches smaller than :data:`_COALESCE_BYTES` gathered (on the device) into batches of about
+    that size before they are split: every piece of a split is a batch sent on its own."""
+    from dissoc.device.partition import concat_device_batches
+
+    pending: list[Any] = []
+    held = 0
+    for batch in batches:
+        if not pending and batch.nbytes >= _COALESCE_BYTES:
+            yield batch
+            continue
+        pending.append(batch)
+        held += int(batch.nbytes)
+        if held >= _COALESCE_BYTES:
+            yield concat_device_batches(pending)
+            pending, held = [], 0
+    if pending:
+        yield concat_device_batches(pending)
 
 
 def _device_partitioning(schema: pa.Schema | None, key: Any) -> bool:
