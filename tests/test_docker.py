@@ -329,6 +329,9 @@ class Containers:
 
     def remove(self) -> None:
         if self.names:
+            # SIGTERM first: a server killed outright leaves its arena in the host's /dev/shm (--ipc host),
+            # named after its pid 1, which `dissoc cleanup` on the host takes for a live process.
+            _docker("stop", "-t", "10", *self.names, check=False, timeout=120)
             _docker("rm", "-f", *self.names, check=False, timeout=120)
         if self.volumes:
             _docker("volume", "rm", "-f", *self.volumes, check=False, timeout=120)
