@@ -65,16 +65,17 @@ manifest rows (its parts stay served): give concurrent writers different names.
     rdd.barrier().mapPartitions(lambda it: dissoc.spark.exchange(it, key="k"))  # RDD of pyarrow batches
     df.mapInArrow(lambda it: dissoc.spark.exchange(it, key="k"), df.schema, barrier=True)  # needs pandas
 
-Each task starts a dissoc server (TCP) serving one bucket of its rows per peer, swaps URIs with the others
-(``BarrierTaskContext.allGather``), fetches its buckets from every peer, waits at a barrier so that no server
-stops while a peer still reads, shuts its server down and returns its rows. ``key`` hash-partitions by
+Each task starts dissoc servers serving one bucket of its rows per peer (one per path its peers may take:
+pairs in shared memory on one node, UCX or TCP elsewhere), swaps URIs with the others (files in
+``/dev/shm`` on one host, ``BarrierTaskContext.allGather`` otherwise), fetches its buckets from every peer,
+tells each it is done, shuts its servers down once every peer has told it the same, and returns its rows. ``key`` hash-partitions by
 column(s) (equal keys meet in one task); ``partitioner(batch, n)`` gives destinations explicitly; neither
 sends every row to every task. Servers bind to ``host`` if given, else ``$DISSOC_SPARK_HOST``, else
 127.0.0.1 when all tasks share one host (local mode), else the executor's host as Spark reports it.
 
 **Spark's constraints.** Python workers exit after about a minute idle and Spark decides where and when
 they run, so dissoc never leaves a server inside a worker: the reader and writer are clients (the data lives
-in a long-running ``dissoc serve``), and an exchange server lives exactly as long as its barrier stage.
+in a long-running ``dissoc serve``), and an exchange server lives no longer than its barrier stage.
 Barrier stages need as many free task slots as tasks (for ``local[N]``, at most N partitions).
 """
 
@@ -261,10 +262,10 @@ def exchange(
     ``data``: this task's rows (pyarrow batches or tables). ``key``: hash-partition by these column(s);
     ``partitioner(batch, n)``: destination per row; neither: every task receives every row. ``schema``:
     the rows' schema, needed only when a task may have no rows at all (else it serves nothing). ``host``,
-    ``port``: where this task's server listens (see the module docstring). ``timeout``: seconds to start
-    the server and of silence tolerated while fetching. The rows a task receives come grouped by sending
-    task (in task order), in the order they were sent. Everything a task sends and receives is held in
-    memory until the stage's barrier.
+    ``port``: where this task's first server listens (see the module docstring). ``timeout``: seconds to
+    start the servers, to meet the peers, of silence tolerated while fetching, and to wait for the peers'
+    done. The rows a task receives come grouped by sending task (in task order), in the order they were
+    sent. Everything a task sends and receives is held in memory until its peers are done.
 
     ``data`` may also hold :class:`~dissoc.device.DeviceBatch` objects (rows in GPU memory): they are split
     on the device when the key and every column are fixed-width (else through the host), sent from device
