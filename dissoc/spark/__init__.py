@@ -69,9 +69,10 @@ Each task starts dissoc servers serving one bucket of its rows per peer (one per
 pairs in shared memory on one node, UCX or TCP elsewhere), swaps URIs with the others (files in
 ``/dev/shm`` on one host, ``BarrierTaskContext.allGather`` otherwise), fetches its buckets from every peer,
 tells each it is done, shuts its servers down once every peer has told it the same, and returns its rows.
-``key`` hash-partitions by column(s) (equal keys meet in one task); ``partitioner(batch, n)`` gives destinations explicitly; neither
-sends every row to every task. Servers bind to ``host`` if given, else ``$DISSOC_SPARK_HOST``, else
-127.0.0.1 when all tasks share one host (local mode), else the executor's host as Spark reports it.
+``key`` hash-partitions by column(s) (equal keys meet in one task); ``partitioner(batch, n)`` gives
+destinations explicitly; neither sends every row to every task. Servers bind to ``host`` if given, else
+``$DISSOC_SPARK_HOST``, else 127.0.0.1 when all tasks share one host (local mode), else the executor's host
+as Spark reports it.
 
 **Spark's constraints.** Python workers exit after about a minute idle and Spark decides where and when
 they run, so dissoc never leaves a server inside a worker: the reader and writer are clients (the data lives
