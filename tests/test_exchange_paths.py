@@ -252,11 +252,18 @@ PATHS = [
 ]
 
 
+def _meeting_folders() -> set[str]:
+    """The file rendezvous folders in /dev/shm now (other runs on this machine may have their own)."""
+    return {p for p in os.listdir("/dev/shm") if p.startswith("dissoc-exchange-")}
+
+
 @pytest.mark.spark
 @pytest.mark.parametrize(("choice", "device", "path"), PATHS)
 def test_exchange_path_in_local_mode(spark: Any, choice: dict[str, str], device: bool, path: str) -> None:
     device_out = choice.get("landing", "device" if device else "host") == "device"
+    before = _meeting_folders()
     results = _check(_run(spark, choice, device), device_out)
+    assert _meeting_folders() <= before
     for r in results:
         assert r["report"][0]["path"] == path
         assert r["partitioned_on"] == ("device" if device else "host")
@@ -266,10 +273,11 @@ def test_exchange_path_in_local_mode(spark: Any, choice: dict[str, str], device:
 
 @pytest.mark.spark
 def test_exchange_through_spark_all_gather(spark: Any) -> None:
+    before = _meeting_folders()
     results = _check(_run(spark, {"rendezvous": "allgather"}, False), False)
     assert {r["rendezvous"] for r in results} == {"allgather"}
     assert {r["report"][0]["path"] for r in results} == {"tcp+pairs-shm"}
-    assert not [p for p in os.listdir("/dev/shm") if p.startswith("dissoc-exchange-")]
+    assert _meeting_folders() <= before
 
 
 @pytest.mark.spark
@@ -284,11 +292,12 @@ def test_a_task_with_no_rows_and_no_schema_still_meets_its_peers(spark: Any) -> 
         result = dissoc.spark.exchange(rows, key="k")
         yield json.dumps({"me": me, "rows": sum(b.num_rows for b in result), "from": len(result.report)})
 
+    before = _meeting_folders()
     rdd = spark.sparkContext.parallelize([0, 1], 2)
     got = sorted((json.loads(o) for o in rdd.barrier().mapPartitions(run).collect()), key=lambda r: r["me"])
     assert got[0]["rows"] + got[1]["rows"] == N_ROWS
     assert got[0]["from"] == 0 and got[1]["from"] == 1  # task 1 served nothing, task 0 did
-    assert not [p for p in os.listdir("/dev/shm") if p.startswith("dissoc-exchange-")]
+    assert _meeting_folders() <= before  # both tasks removed their files, and the folder went
 
 
 @pytest.mark.spark
