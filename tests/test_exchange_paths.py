@@ -97,6 +97,7 @@ def test_capabilities_round_trip_and_refuse_garbage() -> None:
     here = Capabilities.here(device=False)
     assert Capabilities.from_json(json.loads(json.dumps(here.to_json()))) == here
     assert here.node  # this machine has /dev/shm
+    assert not Capabilities.here(device=False, probe_ucx=False).ucx  # a stage on one host never loads ucxx
     with pytest.raises(DissocError, match="described itself"):
         Capabilities.from_json({"node": "x"})
 

@@ -416,11 +416,6 @@ class ExchangeResult(Iterator[Any]):
         return f"ExchangeResult(partitioned_on={self.partitioned_on}, from=[{paths}])"
 
 
-def _key(path: Path) -> str:
-    transport, body, memory = path.server_key
-    return f"{transport}/{body}/{memory or '-'}"
-
-
 def _fetch(
     peer: int, path: Path, server: dict[str, str], tickets: list[str], timeout: float
 ) -> tuple[list[Any], PeerReport]:
@@ -545,10 +540,10 @@ def _server_paths(
                 path = choose(me, receiver, **choice)
             except DissocError:
                 continue
-            out.setdefault(_key(path), path)
+            out.setdefault(path.server_key, path)
     fallback = _fallback(me, choice)
     if fallback is not None:
-        out.setdefault(_key(fallback), fallback)
+        out.setdefault(fallback.server_key, fallback)
     return out
 
 
@@ -642,7 +637,10 @@ def exchange(
         buckets, partitioned_on = _partition_host(rows(), n, key, partitioner, schema, me), "host"
     clock.lap("partition")
 
-    caps = Capabilities.here(device=device_in)
+    # UCX is a path only to a peer on another host, or when asked for: every task decides alike from the
+    # task addresses, so a stage on one host never loads ucxx.
+    elsewhere = len({_task_host(a) for a in addresses}) > 1
+    caps = Capabilities.here(device=device_in, probe_ucx=elsewhere or transport == "ucx" or memory == "ucx")
     bind = _bind_host(host, addresses, me)
     secret = Secret.generate()  # this task's, for this stage only
     servers: dict[str, _ServerThread] = {}
@@ -752,10 +750,10 @@ def _source_path(
     """The path from ``peer`` and the server of it to fetch from (TCP packed if ``peer`` did not start the
     one this task would choose)."""
     path = choose(sender, me, **choice)
-    server = servers.get(_key(path))
+    server = servers.get(path.server_key)
     if server is None:
         fallback = _fallback(sender, choice)
-        server = servers.get(_key(fallback)) if fallback is not None else None
+        server = servers.get(fallback.server_key) if fallback is not None else None
         if fallback is None or server is None:
             raise DissocError(
                 f"exchange: peer {peer} serves {sorted(servers)}, not {path.name} (which "

@@ -55,9 +55,10 @@ class Capabilities:
     device: bool
 
     @classmethod
-    def here(cls, *, device: bool) -> Capabilities:
-        """This process's capabilities."""
-        return cls(node=_node_key(), ucx=_ucx_available(), device=device)
+    def here(cls, *, device: bool, probe_ucx: bool = True) -> Capabilities:
+        """This process's capabilities. ``probe_ucx=False`` says no UCX without loading ucxx (0.7 s the
+        first time in a process here): for stages where no path could take it."""
+        return cls(node=_node_key(), ucx=probe_ucx and _ucx_available(), device=device)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,9 +89,10 @@ class Path:
         )
 
     @property
-    def server_key(self) -> tuple[str, str, str | None]:
-        """What a server must be started with to serve this path (one server per distinct key)."""
-        return (self.transport, self.body, self.memory)
+    def server_key(self) -> str:
+        """What a server must be started with to serve this path (one server per distinct key), as
+        ``transport/body/memory``."""
+        return f"{self.transport}/{self.body}/{self.memory or '-'}"
 
     @property
     def name(self) -> str:
