@@ -1370,7 +1370,10 @@ class _LoopRunner:
         try:
             loop.run_until_complete(pool_of(loop).aclose())
             loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.run_until_complete(loop.shutdown_default_executor())
+            with contextlib.suppress(RuntimeError):
+                # At interpreter exit Python 3.12+ starts no thread, and this one would join the executor;
+                # concurrent.futures joins its workers itself then.
+                loop.run_until_complete(loop.shutdown_default_executor())
         finally:
             loop.close()
 

@@ -829,8 +829,14 @@ class Listener(abc.ABC):
 
     async def wait_closed(self) -> None:
         """Wait until the handlers of all connections have finished (after :meth:`close`)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        # Wait on the unfinished tasks only: a finished one leaves the set in a done-callback, which runs at
+        # the loop's next turn, and since Python 3.12 awaiting a gather of finished tasks completes without
+        # yielding to the loop, so looping on the set itself would spin forever.
+        while pending := [t for t in self._tasks if not t.done()]:
+            await asyncio.wait(pending)
+        for task in list(self._tasks):
+            if not task.cancelled() and (error := task.exception()) is not None:
+                logger.debug("%s: closing a connection at shutdown failed: %r", self.address, error)
 
     async def __aenter__(self) -> Self:
         return self

@@ -339,6 +339,20 @@ async def test_cancelling_a_partial_send_closes_the_connection() -> None:
             await asyncio.wait_for(b.recv_tagged(1), 10)
 
 
+async def test_wait_closed_returns_once_every_close_has_finished() -> None:
+    # A close task that has finished but whose done-callback (which drops it from the listener's set) has not
+    # run yet: wait_closed must return anyway. Python 3.12 completes a gather of finished tasks without
+    # yielding to the loop, so waiting on the set itself until it empties spun forever there (a server's
+    # shutdown hung for good).
+    listener = await serve_tcp("127.0.0.1", 0, lambda c: asyncio.sleep(0))
+    listener.close()
+    finished = asyncio.get_running_loop().create_task(asyncio.sleep(0))
+    await finished
+    listener._tasks.add(finished)  # no done-callback: it stays in the set, as one whose callback is pending
+    await asyncio.wait_for(listener.wait_closed(), 5)
+    assert not listener.is_serving
+
+
 async def test_listener_port_zero_handlers_and_close(caplog: pytest.LogCaptureFixture) -> None:
     seen: list[str] = []
 
