@@ -15,10 +15,17 @@ fetches the whole stream with ``ClientOptions(landing="device")``, so every batc
   the client maps the arena's CUDA IPC handle once per stream and builds each batch as a view over it
   (``zero_copy=True``): nothing is copied, so its GB/s is the control path's speed, not memory's;
 - ``cuda-ipc-pairs-copy``: the same, the client copying each batch device-to-device into its own memory and
-  freeing the ranges at once.
+  freeing the ranges at once;
+- ``partition-2way``: the send side of the Spark exchange's device path, in this process:
+  :func:`~dissoc.device.partition_device_batch` hashes column ``a`` of each resident batch and gathers its
+  rows into one new device batch per destination (2 tasks), as ``exchange`` does before it serves them.
 
 Each figure is the median GB/s of ``--repeat`` whole-stream fetches after ``--warmup`` (the warm-up also
-places the resident batches); the ratio divides by the copy anchor's median for the same size. Target:
+places the resident batches); the ratio divides by the copy anchor's median for the same size. Every fetch
+connects anew (UCX workers on both sides, the arena's IPC handle mapped again), so a stream of few batches is
+dominated by that setup; ``--reuse-connections`` keeps packed and copy-mode connections between fetches, as
+``throughput.py`` does (zero-copy streams always keep their own), and a larger ``--total-mib`` shows the
+rate per batch. Target:
 >= 0.70x the copy at 256 MiB. ``--fake`` runs everything on the CPU with the fake device backend (host shared
 memory posing as device memory): a smoke test of the script, not a measurement.
 
@@ -26,6 +33,7 @@ Run from the repository root (on a machine with a CUDA device, cupy and ucxx)::
 
     .venv/bin/python benchmarks/gpu.py                         # 16 and 256 MiB, 1 GiB per stream
     .venv/bin/python benchmarks/gpu.py --sizes 256 --repeat 9 --json
+    .venv/bin/python benchmarks/gpu.py --sizes 256 --total-mib 4096 --reuse-connections
     .venv/bin/python benchmarks/gpu.py --fake --total-mib 64   # CPU smoke test
 
 Server entry point (started by this script)::
@@ -133,9 +141,36 @@ def copy_anchor(backend: Any, size_mib: int, count: int) -> Callable[[], int]:
     return run
 
 
-def fetch_path(mode: str, size_mib: int, count: int, env: dict[str, str], stack: contextlib.ExitStack) -> Any:
-    """Start the mode's server; returns a function fetching the whole stream onto the device once."""
-    from dissoc.client import ClientOptions, stream_batches
+def partition_anchor(size_mib: int, count: int) -> Callable[[], int]:
+    """Hash-partition ``count`` resident device batches of ``size_mib`` into 2 destinations each."""
+    from dissoc.device import DeviceBatch
+    from dissoc.device.partition import partition_device_batch
+
+    batches = _batches(size_mib, 1)
+    (device,) = DeviceBatch.from_batches(batches[0].schema, batches)
+
+    def run() -> int:
+        total = 0
+        for _ in range(count):
+            parts = partition_device_batch(device, "a", 2)
+            total += sum(int(p.nbytes) for p in parts)
+            del parts
+        return total
+
+    return run
+
+
+def fetch_path(
+    mode: str,
+    size_mib: int,
+    count: int,
+    env: dict[str, str],
+    stack: contextlib.ExitStack,
+    reuse: bool = False,
+) -> Any:
+    """Start the mode's server; returns a function fetching the whole stream onto the device once (over a
+    new connection each time unless ``reuse``: then the loop's pool keeps it for the next fetch)."""
+    from dissoc.client import ClientOptions, close_idle_connections, stream_batches
 
     proc = subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), "serve", mode, str(size_mib), str(count)],
@@ -159,7 +194,13 @@ def fetch_path(mode: str, size_mib: int, count: int, env: dict[str, str], stack:
     if not line:
         raise RuntimeError(f"{mode}: the server exited ({proc.wait()}) before it was ready")
     info = json.loads(line)
-    options = ClientOptions(landing="device", zero_copy=mode.endswith("-zc"), ucx_path="address", timeout=120)
+    options = ClientOptions(
+        landing="device",
+        zero_copy=mode.endswith("-zc"),
+        ucx_path="address",
+        timeout=120,
+        reuse_connections=reuse or None,
+    )
 
     async def once() -> int:
         total = 0
@@ -171,6 +212,7 @@ def fetch_path(mode: str, size_mib: int, count: int, env: dict[str, str], stack:
     loop = asyncio.new_event_loop()
 
     def close_loop() -> None:
+        loop.run_until_complete(close_idle_connections())  # before the server stops (runs first: LIFO)
         gc.collect()  # zero-copy batches still referenced somewhere: their frees run now
         pending = asyncio.all_tasks(loop)
         if pending:
@@ -215,6 +257,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="modes to run, comma-separated")
     parser.add_argument("--fake", action="store_true", help="CPU smoke test with the fake device backend")
     parser.add_argument("--json", action="store_true", help="JSON on stdout (the table goes to stderr)")
+    parser.add_argument(
+        "--reuse-connections",
+        action="store_true",
+        help="keep each path's connections between fetches (as throughput.py does); by default every fetch "
+        "connects anew, so a stream pays its setup (UCX workers, mapping the arena's IPC handle)",
+    )
     args = parser.parse_args(argv)
     if args.command:
         if args.command[0] != "serve" or len(args.command) != 4:
@@ -254,10 +302,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {mode} / {size} MiB ...", file=sys.stderr)
             try:
                 with contextlib.ExitStack() as stack:
-                    run = fetch_path(mode, size, count, env, stack)
+                    run = fetch_path(mode, size, count, env, stack, reuse=args.reuse_connections)
                     rows.append((mode, measure(run, args.repeat, args.warmup, backend.synchronize)))
             except Exception as exc:
                 rows.append((mode, f"error: {type(exc).__name__}: {exc}"))
+        if args.only is None or "partition-2way" in args.only.split(","):
+            try:
+                rows.append(
+                    (
+                        "partition-2way",
+                        measure(partition_anchor(size, count), args.repeat, 1, backend.synchronize),
+                    )
+                )
+            except Exception as exc:
+                rows.append(("partition-2way", f"error: {type(exc).__name__}: {exc}"))
         anchor = rows[0][1]
         anchor_med = statistics.median(anchor) if isinstance(anchor, list) else None
         for name, rates in rows:

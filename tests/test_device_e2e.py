@@ -260,7 +260,9 @@ def no_cupy_env(tmp_path: Path) -> dict[str, str]:
         'raise ImportError("cupy is hidden from this process by a test")\n'
     )
     env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
-    env["PYTHONPATH"] = os.pathsep.join([str(shim), str(REPO)])
+    # The shim first; then whatever path this process was given (where packages come by PYTHONPATH).
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(shim), str(REPO), *inherited])
     return env
 
 

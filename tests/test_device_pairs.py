@@ -481,7 +481,8 @@ SIZES = [[100, 0, 4097, 1], [64, 3000], [0, 0], [513, 7, 0, 64]]
 
 class _ServerProcess:
     def __init__(self, backend: str) -> None:
-        env = {**os.environ, ENV_VAR: backend, "PYTHONPATH": str(ROOT)}
+        path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+        env = {**os.environ, ENV_VAR: backend, "PYTHONPATH": path}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _SERVER, json.dumps(SIZES)],
             stdin=subprocess.PIPE,

@@ -29,7 +29,13 @@ def test_gpu_benchmark_runs_every_path_on_the_fake_device() -> None:
     report = json.loads(r.stdout)
     assert report["fake"] is True
     paths = {e["path"]: e for e in report["results"]}
-    assert set(paths) == {"cupy-d2d-copy", "ucx-packed", "cuda-ipc-pairs-zc", "cuda-ipc-pairs-copy"}
+    assert set(paths) == {
+        "cupy-d2d-copy",
+        "ucx-packed",
+        "cuda-ipc-pairs-zc",
+        "cuda-ipc-pairs-copy",
+        "partition-2way",
+    }
     for entry in paths.values():
         assert "error" not in entry, entry
         assert entry["batches"] == 4 and entry["median_gbps"] > 0

@@ -250,10 +250,13 @@ def partition_device_batch(
         # Destinations outside [0, n) count in bin n; the valid rows of a nullable column in bin n + 1.
         binned = xp.where((dest < 0) | (dest >= n), n, dest)
         tallies = [xp.bincount(binned, minlength=n + 2)]
-        # Rows sorted by (destination, row): the keys are unique, so any sort keeps the rows' order.
-        if xp is np and n + 2 <= 1 << 16:
-            # numpy sorts 16-bit integers stably by radix, in linear time
-            order = np.argsort(binned.astype(np.uint8 if n + 2 <= 256 else np.uint16), kind="stable")
+        # Rows sorted by (destination, row). Destinations fit 8 or 16 bits for any real stage, and both numpy
+        # (kind="stable") and CuPy (always) sort those stably by radix: one or two passes over a byte a row,
+        # where a 64-bit key takes eight. Wider than that, the keys (destination, row) are unique, so any
+        # sort keeps the rows' order.
+        if n + 2 <= 1 << 16:
+            narrow = binned.astype(xp.uint8 if n + 2 <= 256 else xp.uint16)
+            order = np.argsort(narrow, kind="stable") if xp is np else xp.argsort(narrow)
         else:
             order = xp.argsort(binned * rows + xp.arange(rows, dtype=xp.int64))
         for k, g in enumerate(columns):
