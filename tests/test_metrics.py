@@ -440,6 +440,13 @@ async def test_pairs_free_data_and_arena_gauges() -> None:
             - snap_total(before, "dissoc_server_arena_placements_total", memory="shm")
             == 8
         )
+
+        # the client's free_data leaves as its stream ends; the server takes it in on its own time
+        def freed() -> bool:
+            now = snap_total(server_metrics(), "dissoc_server_free_data_total", role="combined")
+            return now > snap_total(before, "dissoc_server_free_data_total", role="combined")
+
+        assert await eventually(freed, 10)
     after = server_metrics()
     client_after = client_metrics()
 

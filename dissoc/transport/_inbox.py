@@ -206,6 +206,10 @@ class TagWaiters:
                 del self._by_mask[mask]
         return waiter
 
+    def any_pending(self) -> bool:
+        """Whether some consumer still waits (its future not yet resolved)."""
+        return any(not w.future.done() for index in self._by_mask.values() for q in index.values() for w in q)
+
     def all(self) -> list[Waiter]:
         return [w for index in self._by_mask.values() for queue in index.values() for w in queue]
 

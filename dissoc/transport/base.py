@@ -545,7 +545,11 @@ class Connection(abc.ABC):
                 return True
         elif any(not f.done() for f in self._untagged_waiters):
             return True
-        if self._blocked > 0:
+        # Only a consumer still waiting counts as blocked: one whose message was just handed over has not
+        # resumed yet (it is counted in _blocked until it does), and it will take what is held.
+        if self._blocked > 0 and (
+            any(not f.done() for f in self._untagged_waiters) or self._tag_waiters.any_pending()
+        ):
             if buffered + length <= 2 * self._max_buffered_bytes:
                 return True
             what = f"tagged message {tag:#018x}" if tagged else "untagged message"

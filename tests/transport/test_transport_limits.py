@@ -154,3 +154,23 @@ def test_rate_limited_log_counts_what_it_left_out(caplog: pytest.LogCaptureFixtu
     assert lines[0] == "failure 0" and lines[1] == "another kind"
     assert lines[2].startswith("failure 1000 (999 more like this")
     assert len(lines) == 3
+
+
+async def test_a_consumer_just_handed_its_message_is_not_blocked() -> None:
+    # One read carries a message for the consumer waiting in recv(), more untagged ones past the budget,
+    # then the header of a large tagged message. The consumer has its message but has not resumed yet: it is
+    # not blocked (it will take what is held), so reading pauses instead of refusing the large message as a
+    # deadlock. (Found on Python 3.12, where the TLS flow-control test met this interleaving every time.)
+    budget = 4096
+    small = [bytes([i]) * 1000 for i in range(8)]
+    big = b"z" * (5 * budget)
+    async with raw_peer(max_buffered_bytes=budget) as (conn, raw):
+        first = asyncio.ensure_future(conn.recv())
+        await asyncio.sleep(0.05)  # waiting in recv() now
+        chunk = b"".join(_HEADER.pack(1, 0, len(m)) + m for m in small)  # 1: untagged
+        raw.sendall(chunk + _HEADER.pack(2, 7, len(big)) + big)  # 2: tagged
+        assert bytes(await asyncio.wait_for(first, 5)) == small[0]
+        for m in small[1:]:
+            assert bytes(await asyncio.wait_for(conn.recv(), 5)) == m
+        tagged = await asyncio.wait_for(conn.recv_tagged(7), 5)
+        assert bytes(tagged.view()) == big
