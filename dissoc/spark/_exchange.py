@@ -421,21 +421,7 @@ def _fetch(
 ) -> tuple[list[Any], PeerReport]:
     """Fetch one peer's bucket for this task along ``path``, then tell the peer it is done with its
     servers (runs in a worker thread)."""
-    ticket, done = tickets
-    from dissoc.client import ClientOptions, fetch, fetch_device
-
-    options = ClientOptions(
-        timeout=timeout, zero_copy=path.zero_copy, landing=path.landing, reuse_connections=False
-    )
-    started = time.perf_counter()
-    batches: list[Any]
-    if path.landing == "device":
-        batches = list(fetch_device(server["uri"], ticket, data_uri=server["data_uri"], options=options))
-    else:
-        table = fetch(server["uri"], ticket, data_uri=server["data_uri"], options=options)
-        batches = [b for b in table.to_batches() if b.num_rows]
-    seconds = time.perf_counter() - started
-    _say_done(peer, server, done, timeout)
+    batches, seconds = asyncio.run(_fetch_and_say_done(peer, path, server, tickets, timeout))
     report = PeerReport(
         peer=peer,
         path=path.name,
@@ -451,9 +437,50 @@ def _fetch(
     return batches, report
 
 
-def _say_done(peer: int, server: dict[str, str], ticket: str, timeout: float) -> None:
+async def _fetch_and_say_done(
+    peer: int, path: Path, server: dict[str, str], tickets: list[str], timeout: float
+) -> tuple[list[Any], float]:
+    """The bucket and the seconds it took; then the done request, over the same connection where the stream
+    left it reusable (a UCX connection is a worker at each end: tens of ms to make and to close). The
+    connections are closed before this returns: the peer stops serving once it has heard from everyone."""
+    from dissoc.client import ClientOptions, close_idle_connections, fetch_async, fetch_device_async
+
+    ticket, done = tickets
+    options = ClientOptions(
+        timeout=timeout, zero_copy=path.zero_copy, landing=path.landing, reuse_connections=True
+    )
+    try:
+        started = time.perf_counter()
+        batches: list[Any]
+        if path.landing == "device":
+            batches = await fetch_device_async(
+                server["uri"], ticket, data_uri=server["data_uri"], options=options
+            )
+        else:
+            table = await fetch_async(server["uri"], ticket, data_uri=server["data_uri"], options=options)
+            batches = [b for b in table.to_batches() if b.num_rows]
+        seconds = time.perf_counter() - started
+        await _say_done(peer, server, done, timeout)
+        return batches, seconds
+    finally:
+        await close_idle_connections()
+
+
+async def _say_done(peer: int, server: dict[str, str], ticket: str, timeout: float) -> None:
     """Tell ``peer`` this task is done with it (its rows and its rendezvous file): it may stop serving. An
     error costs nothing here (everything has arrived), so it is only logged."""
+    from dissoc.client import ClientOptions, fetch_async
+
+    options = ClientOptions(timeout=timeout, reuse_connections=True)
+    try:
+        await fetch_async(server["uri"], ticket, data_uri=server["data_uri"], options=options)
+    except DissocError as e:
+        log.debug("exchange: saying done to peer %d failed: %s", peer, e)
+
+
+def _say_done_now(peer: int, server: dict[str, str], ticket: str, timeout: float) -> None:
+    """:func:`_say_done` from synchronous code, on a connection of its own (a peer this task fetches nothing
+    from)."""
     from dissoc.client import ClientOptions, fetch
 
     try:
@@ -695,7 +722,7 @@ def exchange(
         for i in range(n):
             if i != me and not peers[i]["serves"]:
                 for server_of in list(peers[i]["servers"].values())[:1]:
-                    _say_done(i, server_of, peers[i]["tickets"][str(me)][1], timeout)
+                    _say_done_now(i, server_of, peers[i]["tickets"][str(me)][1], timeout)
         received: dict[int, list[Any]] = {}
         report: list[PeerReport] = []
         if sources:
