@@ -113,6 +113,32 @@ def test_split_keeps_every_row_once_in_order(n: int, raw: list[int]) -> None:
         assert part.column("i").to_pylist() == np.flatnonzero(dest == j).tolist()
 
 
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("ucx", marks=pytest.mark.ucx)], ids=["tcp", "ucx"])
+def test_a_peer_says_done_on_the_connection_its_rows_came_on(transport: str) -> None:
+    # one connection per peer, not two: for UCX each is a worker at both ends (tens of ms)
+    from e2e_helpers import ServerThread
+
+    from dissoc.metrics import server_metrics
+    from dissoc.spark._exchange import _Done, _fetch
+    from dissoc.spark._paths import Path
+
+    def accepted() -> float:
+        snap = server_metrics().get("dissoc_server_connections_total", {})
+        return sum(v for labels, v in snap.items() if dict(labels).get("transport") == transport)
+
+    arrived: list[int] = []
+    table = pa.table({"k": pa.array(range(5000), pa.int64())})
+    datasets = {"rows-1": table, "done-1": _Done("done-1", lambda: arrived.append(1))}
+    with ServerThread(datasets, transport=transport) as server:
+        before = accepted()
+        path = Path(transport=transport, body="packed", memory=None, landing="host")
+        where = {"uri": server.uri, "data_uri": server.data_uri}
+        batches, report = _fetch(0, path, where, ["rows-1", "done-1"], 30)
+        assert pa.Table.from_batches(batches).equals(table)
+        assert report.rows == 5000 and arrived == [1]
+        assert accepted() - before == 1
+
+
 # -------------------------------------------------------------------------------------------- with Spark
 
 N_ROWS = 3000  # per task
