@@ -836,9 +836,11 @@ class Listener(abc.ABC):
         # Wait on the unfinished tasks only: a finished one leaves the set in a done-callback, which runs at
         # the loop's next turn, and since Python 3.12 awaiting a gather of finished tasks completes without
         # yielding to the loop, so looping on the set itself would spin forever.
+        waited: set[asyncio.Task[None]] = set(self._tasks)
         while pending := [t for t in self._tasks if not t.done()]:
+            waited.update(pending)
             await asyncio.wait(pending)
-        for task in list(self._tasks):
+        for task in waited:  # their errors retrieved (and logged), as gather(return_exceptions=True) did
             if not task.cancelled() and (error := task.exception()) is not None:
                 logger.debug("%s: closing a connection at shutdown failed: %r", self.address, error)
 
