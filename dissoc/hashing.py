@@ -33,6 +33,7 @@ __all__ = [
     "NULL_HASH",
     "column_hash",
     "combine",
+    "destination_order",
     "destinations",
     "fixed_width_dtype",
     "float_bits",
@@ -92,6 +93,16 @@ def row_hash(column_hashes: Iterable[Any], length: int, xp: ModuleType = np) -> 
 def destinations(h: Any, n: int, xp: ModuleType = np) -> Any:
     """Row hashes as destination task indices in ``[0, n)`` (int64)."""
     return (xp.asarray(h, dtype=xp.uint64) % np.uint64(n)).astype(xp.int64)
+
+
+def destination_order(dest: Any, bins: int, xp: ModuleType = np) -> Any:
+    """Row indices sorted by destination, rows keeping their order within each (``dest``: integers in
+    ``[0, bins)``, an array of ``xp``).
+
+    Destinations fit 8 or 16 bits for any real stage, and both numpy (``kind="stable"``) and CuPy (always)
+    sort those stably by radix: one or two passes over a byte a row, where a 64-bit key takes eight."""
+    key = dest.astype(xp.uint8 if bins <= 256 else xp.uint16) if bins <= 1 << 16 else dest
+    return np.argsort(key, kind="stable") if xp is np else xp.argsort(key)  # CuPy's argsort is stable
 
 
 def float_bits(values: Any, xp: ModuleType = np) -> Any:

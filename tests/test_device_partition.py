@@ -532,6 +532,14 @@ def test_concat_gathers_rows_in_order_nulls_and_booleans_included(backend: Any) 
     assert concat_device_batches(device[:1]) is device[0]
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_concat_of_every_gatherable_kind_is_the_rows_in_order(backend: Any, seed: int) -> None:
+    parts = [_random_batch(seed * 3 + k, rows) for k, rows in enumerate([37, 0, 64, 5])]
+    got = concat_device_batches([DeviceBatch.from_arrow(p) for p in parts]).to_arrow()
+    want = pa.Table.from_batches(parts).combine_chunks().to_batches()[0]
+    assert_same_rows(got, want, "concat")  # NaN-aware, unlike equals
+
+
 def test_concat_refuses_what_it_cannot_gather(backend: Any) -> None:
     a = DeviceBatch.from_arrow(pa.record_batch({"x": pa.array([1], pa.int64())}))
     b = DeviceBatch.from_arrow(pa.record_batch({"y": pa.array([1], pa.int64())}))

@@ -34,8 +34,8 @@ from dissoc.codec.message import encode_record_batch
 from dissoc.codec.schema import FieldPlan, Layout, SchemaInfo
 from dissoc.device.batch import DeviceBatch, DeviceColumn, DeviceInterfaceError, DeviceMessage
 from dissoc.errors import DissocError
+from dissoc.hashing import destination_order, hashes_by_value, row_hash, unpack_bits, value_hash, with_nulls
 from dissoc.hashing import destinations as bucket_of
-from dissoc.hashing import hashes_by_value, row_hash, unpack_bits, value_hash, with_nulls
 from dissoc.memory.cuda import DeviceBackend
 
 __all__ = [
@@ -155,6 +155,7 @@ class _Gather:
     valid: Any = None  # 0/1 uint8 in destination order, or None (no nulls)
     bits: Any = None  # BOOL: values as 0/1 uint8 in destination order
     values: Any = None  # FIXED: the values, one element (or row of ``width`` bytes) per row, input order
+    pieces: list[Any] | None = None  # FIXED, instead of values: consecutive pieces of them, taken whole
 
 
 def _padded(n: int) -> int:
@@ -250,15 +251,7 @@ def partition_device_batch(
         # Destinations outside [0, n) count in bin n; the valid rows of a nullable column in bin n + 1.
         binned = xp.where((dest < 0) | (dest >= n), n, dest)
         tallies = [xp.bincount(binned, minlength=n + 2)]
-        # Rows sorted by (destination, row). Destinations fit 8 or 16 bits for any real stage, and both numpy
-        # (kind="stable") and CuPy (always) sort those stably by radix: one or two passes over a byte a row,
-        # where a 64-bit key takes eight. Wider than that, the keys (destination, row) are unique, so any
-        # sort keeps the rows' order.
-        if n + 2 <= 1 << 16:
-            narrow = binned.astype(xp.uint8 if n + 2 <= 256 else xp.uint16)
-            order = np.argsort(narrow, kind="stable") if xp is np else xp.argsort(narrow)
-        else:
-            order = xp.argsort(binned * rows + xp.arange(rows, dtype=xp.int64))
+        order = destination_order(binned, n + 2, xp)
         for k, g in enumerate(columns):
             fl = g.layout
             if fl.layout == Layout.NULL:
@@ -283,7 +276,9 @@ def partition_device_batch(
     start = 0
     for j, count in enumerate(counts):
         rows_j = order[start : start + count]
-        out.append(_bucket(batch, backend, xp, columns, {k: v[j] for k, v in nulls.items()}, rows_j, start))
+        out.append(
+            _bucket(batch, backend, xp, columns, {k: v[j] for k, v in nulls.items()}, rows_j, start, count)
+        )
         start += count
     log.debug("partitioned %d device rows into %d batches: %s", rows, n, counts)
     return out
@@ -297,11 +292,12 @@ def _bucket(
     nulls: dict[int, int],
     rows: Any,
     start: int,
+    count: int,
 ) -> DeviceBatch:
-    """One destination's batch: ``rows`` (input row indices, in order) gathered into a new device body.
+    """One destination's batch of ``count`` rows gathered into a new device body: ``rows`` (input row
+    indices, in order) of each column's values, or its ``pieces`` whole (``rows`` None).
 
     ``start`` is where these rows begin in destination order (for the already sorted bits)."""
-    count = int(rows.shape[0])
     nodes: list[tuple[int, int]] = []
     spans: list[tuple[int, int]] = []
     pos = 0
@@ -331,9 +327,13 @@ def _bucket(
         if g.layout.layout == Layout.BOOL:
             target[doff : doff + dsize] = xp.packbits(g.bits[start : start + count], bitorder="little")
             continue
+        like = g.values if g.pieces is None else g.pieces[0]
         dst = target[doff : doff + dsize]
-        dst = dst.view(g.values.dtype) if g.values.ndim == 1 else dst.reshape(count, g.layout.width)
-        xp.take(g.values, rows, axis=0, out=dst)
+        dst = dst.view(like.dtype) if like.ndim == 1 else dst.reshape(count, g.layout.width)
+        if g.pieces is None:
+            xp.take(g.values, rows, axis=0, out=dst)
+        else:
+            xp.concatenate(g.pieces, axis=0, out=dst)
     for off, size in spans:  # the padding after each buffer: zeros, as the encoder writes
         if _padded(size) > size:
             target[off + size : off + _padded(size)] = 0
@@ -392,5 +392,5 @@ def concat_device_batches(batches: Sequence[DeviceBatch]) -> DeviceBatch:
         if g.layout.layout == Layout.BOOL:
             g.bits = xp.concatenate(parts)
         else:
-            g.values = xp.concatenate(parts)
-    return _bucket(first, backend, xp, columns, nulls, xp.arange(total, dtype=xp.int64), 0)
+            g.pieces = parts  # copied once, straight into the new body
+    return _bucket(first, backend, xp, columns, nulls, None, 0, total)

@@ -39,7 +39,7 @@ import pyarrow.compute as pc
 
 from dissoc.datasets.base import Dataset
 from dissoc.errors import DissocError
-from dissoc.hashing import column_hash, destinations, row_hash
+from dissoc.hashing import column_hash, destination_order, destinations, row_hash
 from dissoc.spark._paths import (
     BODIES,
     LANDINGS,
@@ -110,9 +110,7 @@ def _split(batch: pa.RecordBatch, destinations: npt.ArrayLike, n: int) -> list[p
     counts = np.bincount(dest, minlength=n)
     if n == 1 or np.count_nonzero(counts) <= 1:
         return [batch if count else batch.slice(0, 0) for count in counts.tolist()]
-    # numpy's stable sort of integers of 16 bits or fewer is a radix sort: linear, not n log n
-    small = np.uint8 if n <= 256 else np.uint16 if n <= 65536 else np.int64
-    order = np.argsort(dest.astype(small, copy=False), kind="stable")
+    order = destination_order(dest, n)
     # One take per destination, not one take sliced: each piece owns exactly its rows, so the pieces a
     # task sends can be let go of (and their memory reused, warm) once gathered, apart from those it keeps.
     out, start = [], 0
@@ -677,6 +675,11 @@ def exchange(
     wanted = _server_paths(caps, addresses, me, choice)
     if schema is None:
         wanted = dict(list(wanted.items())[-1:])  # the fallback where there is one: nothing to send fast
+    # Room for every peer to hold all of its bucket at once (zero-copy batches until released), in any
+    # pairs arena: worked out once, not per server.
+    room = 0
+    if any(path.body == "pairs" for path in wanted.values()):
+        room = sum(_body_bytes(buckets[j], schema) for j in range(n) if j != me) + (1 << 20)
     try:
         for name, path in wanted.items():
             datasets: dict[str, Any] = {}
@@ -692,8 +695,6 @@ def exchange(
                 datasets[f"done-{j}"] = _Done(f"done-{j}", waiter.arrived(j))
             options: dict[str, Any] = {"transport": path.transport, "body": path.body}
             if path.body == "pairs":
-                room = sum(_body_bytes(buckets[j], schema) for j in range(n) if j != me) + (1 << 20)
-                # Each peer may hold all of its bucket at once (zero-copy batches until released).
                 options.update(memory=path.memory, arena_bytes=room, max_unfreed_bytes=room)
             server = _ServerThread(datasets, bind, port if not servers else 0, secret, **options)
             server.start(timeout)
