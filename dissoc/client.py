@@ -25,7 +25,7 @@ import weakref
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Hashable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 import pyarrow as pa
 
@@ -43,6 +43,7 @@ from dissoc.protocol import (
     BODY_PACKED,
     BODY_PAIRS,
     PAIRS_HEADER_SIZE,
+    PREFIX_SIZE,
     SEQ_MAX,
     SEQ_MODULUS,
     ArenaAnnouncement,
@@ -264,6 +265,14 @@ class _Taker:
         self.session.connection_failed(exc)
 
 
+class _Decoded(NamedTuple):
+    """A batch decoded as its message arrived (packed host bodies released in one step), with the body's
+    size: what the consumer is handed in place of the :class:`MessageReady` it would decode itself."""
+
+    batch: pa.RecordBatch
+    nbytes: int
+
+
 class _Session:
     """One stream's state on the client: connections, the sans-IO stream, the decoder, flow control.
 
@@ -292,7 +301,7 @@ class _Session:
         self.options = options
         self.decoder = MessageDecoder(validate=options.validate)
         self.stream = ClientStream(self.decoder.has_body, window=options.window, max_pending_bytes=1 << 62)
-        self.ready: deque[MessageReady | SchemaReceived | StreamEnded | BaseException] = deque()
+        self.ready: deque[MessageReady | SchemaReceived | StreamEnded | _Decoded | BaseException] = deque()
         self._wakeup: asyncio.Future[None] | None = None
         self.in_flight = 0
         self.reading_paused = False
@@ -311,6 +320,9 @@ class _Session:
         # here for their bodies, so that each pair goes through the stream in one step (the common case).
         self.pairing = False
         self.held: deque[tuple[int, Any]] = deque()
+        # Packed bodies landing in host memory are decoded as they are released (see _decode_now).
+        self.express = options.landing == "host" and data_uri.memory is None
+        self.schema_decoded = False  # (by _decode_now, for the consumer's decode to skip)
         # Connections carrying packed bodies come from, and go back to, the loop's pool (connection_pool).
         # (zero-copy batches keep the server's ranges, tied to the connection, until they are released)
         self.pooled = (
@@ -457,12 +469,40 @@ class _Session:
 
     def _publish(self, events: list[Any]) -> None:
         if events:
-            self.ready.extend(events)
+            if self.express:
+                self._decode_now(events)
+            else:
+                self.ready.extend(events)
             self._wake()
             if self.stream.finished:
                 self.done = True
             elif (self.stalled_metadata or self.stalled_bodies) and not self._retrying:
                 self._retry_stalled()
+
+    def _decode_now(self, events: list[Any]) -> None:
+        """Decode released messages as they are released (express sessions: packed bodies in host memory),
+        in release order, so that the decoder's state (schema, dictionaries) is always the one the next
+        message follows; the consumer is handed the batches (:class:`_Decoded`) and the other events."""
+        ready = self.ready
+        decoder = self.decoder
+        for ev in events:
+            kind = type(ev)
+            if kind is MessageReady:
+                if ev.body_type != BODY_PACKED:
+                    self.decode(ev)  # raises what the consumer's decoding would (no arena, unknown type)
+                    continue
+                body = ev.body
+                n = buffer_nbytes(body)
+                batch = decoder.decode(ev.metadata, body)
+                if batch is None:  # a dictionary batch: nothing to hand over, nothing held
+                    self.in_flight -= n
+                else:
+                    ready.append(_Decoded(batch, n))
+            else:
+                if kind is SchemaReceived:
+                    decoder.decode(ev.metadata)
+                    self.schema_decoded = True
+                ready.append(ev)
 
     def _ahead(self, seq: int) -> bool:
         """Whether input for ``seq`` must wait for releases (ahead of the reorder window).
@@ -559,9 +599,22 @@ class _Session:
             if held:
                 if tag == held[0][0]:  # a packed body (type 0: the tag is the seq) for the first held
                     self.in_flight += nbytes
-                    self._publish(
-                        self.stream.receive_message_with_body(held.popleft()[1], tag, payload, nbytes)
-                    )
+                    buf = held.popleft()[1]
+                    if self.express and type(buf) is bytes:
+                        # released without an event and decoded at once (see _decode_now)
+                        metadata = buf[PREFIX_SIZE:]
+                        if self.stream.release_packed(tag, metadata, nbytes):
+                            batch = self.decoder.decode(metadata, payload)
+                            if batch is not None:
+                                self.ready.append(_Decoded(batch, nbytes))
+                                self._wake()
+                            else:  # a dictionary batch: nothing to hand over
+                                self.in_flight -= nbytes
+                            if (self.stalled_metadata or self.stalled_bodies) and not self._retrying:
+                                self._retry_stalled()  # (as _publish does: the window moved)
+                            self._update_pause()
+                            return True
+                    self._publish(self.stream.receive_message_with_body(buf, tag, payload, nbytes))
                     self._update_pause()
                     return True
                 self._flush_held()
@@ -614,7 +667,11 @@ class _Session:
                         break
                     self.stalled_bodies.popleft()
                     self.stalled_bytes -= nbytes
-                    self.ready.extend(stream.receive_body(tag, payload, nbytes))
+                    events = stream.receive_body(tag, payload, nbytes)
+                    if self.express:
+                        self._decode_now(events)
+                    else:
+                        self.ready.extend(events)
                     progress = True
             if self.stream.finished:
                 self.done = True
@@ -655,7 +712,7 @@ class _Session:
 
     # -- the consumer's side ---------------------------------------------------------------------------------
 
-    async def next_event(self) -> MessageReady | SchemaReceived | StreamEnded:
+    async def next_event(self) -> MessageReady | SchemaReceived | StreamEnded | _Decoded:
         """The next event for the consumer; silence longer than the timeout while it waits is an error."""
         ready = self.ready
         if not ready:
@@ -711,6 +768,8 @@ class _Session:
 
     def decode(self, ev: MessageReady | SchemaReceived) -> Batch | None:
         if isinstance(ev, SchemaReceived):
+            if self.schema_decoded:
+                return None
             if self.device is not None:
                 self.device.schema(ev.metadata)
             return self.decoder.decode(ev.metadata)
@@ -723,8 +782,8 @@ class _Session:
             else (_pairs_nbytes(body) if isinstance(body, PairList) else buffer_nbytes(body))
         )
         self.in_flight -= n
-        if self.reading_paused and self.in_flight <= self.options.max_in_flight_bytes // 2:
-            self._update_pause()
+        if self.reading_paused:
+            self.resume_if_drained()
         if ev.body_type == BODY_PAIRS:
             return self._decode_pairs(ev)
         if ev.body_type != BODY_PACKED:
@@ -739,6 +798,11 @@ class _Session:
             self.stats.rows += batch.num_rows
             self.stats.bytes += n
         return batch
+
+    def resume_if_drained(self) -> None:
+        """Reading was paused on the bodies held for the consumer: resume once they went down to half."""
+        if self.in_flight <= self.options.max_in_flight_bytes // 2:
+            self._update_pause()
 
     def _decode_pairs(self, ev: MessageReady) -> Batch | None:
         """Body type 1: read the listed ranges (copy, zero-copy or RMA); free what is done."""
@@ -983,7 +1047,7 @@ async def _stream_one(
         log.debug("stream of %s from %s", shown, meta)
     _live.add(session)
     try:
-        first: MessageReady | SchemaReceived | StreamEnded | None = None
+        first: MessageReady | SchemaReceived | StreamEnded | _Decoded | None = None
         try:
             await session.start()
             first = await session.next_event()
@@ -1006,24 +1070,40 @@ async def _stream_one(
                 ev, first = first, None
             else:
                 ev = await session.next_event()
+            ready = session.ready
+            counts = session.stats
             while True:
-                if isinstance(ev, StreamEnded):
+                if isinstance(ev, _Decoded):  # decoded as it arrived (the common case)
+                    batch = ev.batch
+                    n = ev.nbytes
+                    session.in_flight -= n
+                    if session.reading_paused:
+                        session.resume_if_drained()
+                    counts.batches += 1
+                    counts.rows += batch.num_rows
+                    counts.bytes += n
+                    chunk.append(batch)
+                elif isinstance(ev, StreamEnded):
                     ended = True
                     break
-                batch = session.decode(ev)
-                if (
-                    isinstance(ev, SchemaReceived)
-                    and on_schema is not None
-                    and session.decoder.schema is not None
-                ):
-                    on_schema(session.decoder.schema)
-                if batch is not None:
-                    chunk.append(batch)
+                else:
+                    batch = session.decode(ev)
+                    if (
+                        isinstance(ev, SchemaReceived)
+                        and on_schema is not None
+                        and session.decoder.schema is not None
+                    ):
+                        on_schema(session.decoder.schema)
+                    if batch is not None:
+                        chunk.append(batch)
                 # A burst is handed over once it reaches _CHUNK_BYTES: the consumer lets go of its batches
                 # before more are decoded, so that pair readers' pooled buffers (and pages) are reused.
-                if not session.ready or session.stats.bytes - chunk_start >= _CHUNK_BYTES:
+                if not ready or counts.bytes - chunk_start >= _CHUNK_BYTES:
                     break
-                ev = await session.next_event()
+                item = ready.popleft()
+                if isinstance(item, BaseException):
+                    raise item
+                ev = item
             await session.flush_frees()
             batch = None  # hold no batch past the yield: zero-copy batches free their memory on release
             del ev

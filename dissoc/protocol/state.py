@@ -11,7 +11,7 @@ import logging
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
@@ -69,6 +69,7 @@ _METADATA_HEADER = struct.Struct("<BI")
 
 #: The largest tag of a packed body (body type 0 in bits 56-63, reserved bits 32-55 clear): the seq itself.
 _PACKED_TAG_MAX = 0xFFFF_FFFF
+_UNHELD = memoryview(b"")
 
 
 class StreamStateError(RuntimeError):
@@ -265,8 +266,9 @@ def _host_view(payload: object) -> memoryview:
 class ClientStream:
     """Reassembles one stream on the client: raw metadata-stream messages and tagged bodies in, events out.
 
-    :param has_body: tells from a metadata flatbuffer whether the message has a body (RecordBatch and
-        DictionaryBatch do, Schema does not); supplied by the codec.
+    :param has_body: tells from a metadata flatbuffer (a memoryview; ``bytes`` from :meth:`release_packed`)
+        whether the message has a body (RecordBatch and DictionaryBatch do, Schema does not); supplied by the
+        codec.
     :param window: see :class:`~dissoc.protocol.reorder.ReorderBuffer`.
     :param max_pending_bytes: see :class:`~dissoc.protocol.reorder.ReorderBuffer`.
     :param start_seq: the schema's sequence number (0 in the protocol).
@@ -284,7 +286,7 @@ class ClientStream:
 
     def __init__(
         self,
-        has_body: Callable[[memoryview], bool],
+        has_body: Callable[[Any], bool],
         *,
         window: int = DEFAULT_WINDOW,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
@@ -442,6 +444,25 @@ class ClientStream:
                 self._fail(exc)
         events = self.receive_metadata_message(buf)
         return events + self.receive_body(tag, payload, nbytes)
+
+    def release_packed(self, seq: int, metadata: bytes, nbytes: int) -> bool:
+        """Release message ``seq`` in one step, without an event, when it is the next to release and nothing
+        is held: the metadata message of ``seq`` (its flatbuffer ``metadata``, after the prefix) and a packed
+        body of ``nbytes`` bytes under tag ``seq`` arrived back to back.
+
+        For drivers that decode at once what :meth:`receive_message_with_body` would hand back as one
+        :class:`MessageReady` (the caller knows the metadata, the body type and the body). False when the
+        message needs the general path (nothing changed then; call :meth:`receive_message_with_body`).
+        """
+        if self._state is not ClientState.STREAMING or not metadata:
+            return False
+        try:
+            if not self._has_body(metadata):
+                return False
+        except Exception as exc:
+            self._fail(exc)
+        # (nothing is held: the metadata given to the reorder buffer is only put in what it returns)
+        return self._reorder.release_next(seq, _UNHELD, BODY_PACKED, None, nbytes, len(metadata)) is not None
 
     def close(self) -> None:
         """Declare that no more input will arrive; raise :class:`~dissoc.errors.ProtocolError` unless done.

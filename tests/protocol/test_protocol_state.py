@@ -612,13 +612,18 @@ def _events_key(events: list[ClientEvent]) -> list[tuple[object, ...]]:
     return out
 
 
-def _outcome(pair: bool, inputs: list[tuple[bytes, int, bytes]]) -> list[object]:
-    """What a stream makes of (metadata, tag, body) triples, fed in one step or two; errors included."""
+def _outcome(pair: bool | str, inputs: list[tuple[bytes, int, bytes]]) -> list[object]:
+    """What a stream makes of (metadata, tag, body) triples, fed in one step or two; errors included.
+    ``pair="release"``: as a driver that decodes at once feeds it, trying ``release_packed`` first (its
+    release reported as the event the one-step path returns)."""
     c = ClientStream(has_body, window=4, max_pending_bytes=64)
     results: list[object] = [_events_key(c.receive_metadata_message(meta(0, b"S")))]
     for buf, tag, body in inputs:
         try:
-            if pair:
+            seq = int.from_bytes(buf[1:5], "little")
+            if pair == "release" and buf[0] == 1 and seq == tag and c.release_packed(seq, buf[5:], len(body)):
+                events: list[ClientEvent] = [MessageReady(seq, memoryview(buf[5:]), BODY_PACKED, body)]
+            elif pair:
                 events = c.receive_message_with_body(buf, tag, body, len(body))
             else:
                 events = c.receive_metadata_message(buf)
@@ -647,6 +652,30 @@ def _outcome(pair: bool, inputs: list[tuple[bytes, int, bytes]]) -> list[object]
 )
 def test_message_with_body_is_the_two_steps_in_one(inputs: list[tuple[bytes, int, bytes]]) -> None:
     assert _outcome(True, inputs) == _outcome(False, inputs)
+    assert _outcome("release", inputs) == _outcome(False, inputs)
+
+
+def test_release_packed_changes_nothing_when_it_declines() -> None:
+    c = ClientStream(has_body, window=4)
+    assert not c.release_packed(0, b"B0", 1)  # no schema yet: the general path says what is wrong
+    c.receive_metadata_message(meta(0, b"S"))
+    assert not c.release_packed(2, b"B2", 1)  # not the next to release
+    assert not c.release_packed(1, b"N1", 1)  # its metadata says it has no body
+    assert not c.release_packed(1, b"", 1)  # no metadata at all
+    assert (c.next_seq, c.released, c.state) == (1, 1, ClientState.STREAMING)
+    assert c.release_packed(1, b"B1", 1)
+    assert (c.next_seq, c.released) == (2, 2)
+
+    def picky(mv: memoryview) -> bool:
+        if bytes(mv) == b"X":
+            raise CodecError("not a flatbuffer")
+        return has_body(mv)
+
+    c2 = ClientStream(picky)
+    c2.receive_metadata_message(meta(0, b"S"))
+    with pytest.raises(CodecError, match="not a flatbuffer"):
+        c2.release_packed(1, b"X", 1)
+    assert c2.state is ClientState.FAILED
 
 
 def test_message_with_body_after_failure_and_from_a_failing_codec() -> None:
