@@ -102,6 +102,12 @@ class ServerMessage(NamedTuple):
     tag: int | None
 
 
+# ServerMessage made without the NamedTuple's Python-level __new__ (the per-message path).
+_new_message = tuple.__new__
+_pack_metadata_header = _METADATA_HEADER.pack
+_METADATA_TYPE = int(MessageType.METADATA)
+
+
 class ServerStream:
     """Sequence numbering and message framing for one stream a server sends.
 
@@ -167,15 +173,18 @@ class ServerStream:
             raise ValueError("message metadata must not be empty")
         if has_body and body_type not in KNOWN_BODY_TYPES:
             make_body_tag(0, body_type)  # raises: validated before a sequence number is consumed
-        seq = self._take()
-        # seq comes from _take (valid) and body_type was checked: header and tag need no further checks.
+        # _take(), inlined: this runs once per message of every stream a server sends.
+        seq = self._next
+        self._next = (seq + 1) & SEQ_MAX
+        self._sent += 1
+        # seq is valid by construction and body_type was checked: header and tag need no further checks.
         tag = (body_type << BODY_TYPE_SHIFT) | seq if has_body else None
         if _log.isEnabledFor(logging.DEBUG):
             if tag is None:
                 _log.debug("server: message seq=0x%08x (no body)", seq)
             else:
                 _log.debug("server: message seq=0x%08x tag=0x%016x", seq, tag)
-        return ServerMessage(_METADATA_HEADER.pack(MessageType.METADATA, seq), seq, tag)
+        return _new_message(ServerMessage, (_pack_metadata_header(_METADATA_TYPE, seq), seq, tag))
 
     def end(self) -> bytes:
         """The end-of-stream message (it carries the next unused sequence number)."""
