@@ -155,9 +155,11 @@ class Outbox:
 
     def __init__(self, conn: Connection, *, coalesce: bool) -> None:
         self.conn = conn
-        self._coalesce = coalesce
         self._frames: list[tuple[int | None, Any]] = []
         self._bytes = 0
+        # what makes it due: any frame, or the coalescing limits
+        self._max_frames = _COALESCE_MESSAGES if coalesce else 1
+        self._max_bytes = _COALESCE_BYTES if coalesce else 0
 
     def add(self, tag: int | None, data: BytesLike | Sequence[BytesLike], nbytes: int) -> None:
         """Queue one frame: untagged (metadata stream) when ``tag`` is None, else tagged."""
@@ -178,7 +180,7 @@ class Outbox:
     def due(self) -> bool:
         """Whether what is queued should be written now (after each message unless coalescing, else once
         the limits are reached)."""
-        return not self._coalesce or self._bytes >= _COALESCE_BYTES or len(self._frames) >= _COALESCE_MESSAGES
+        return len(self._frames) >= self._max_frames or self._bytes >= self._max_bytes
 
 
 class StreamPart(abc.ABC):

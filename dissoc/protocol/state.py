@@ -116,12 +116,16 @@ class ServerStream:
 
     :param start_seq: sequence number of the schema (0 in the protocol; other values let tests cover
         roll-over).
+
+    Each message is logged at debug level when the logger was enabled for it as the stream was made.
     """
 
     def __init__(self, *, start_seq: int = 0) -> None:
         self._next = check_seq(start_seq)
         self._sent = 0
         self._state = ServerState.IDLE
+        # Whether each message is logged: asked once per stream, not once per message.
+        self._debug = _log.isEnabledFor(logging.DEBUG)
 
     @property
     def state(self) -> ServerState:
@@ -179,7 +183,7 @@ class ServerStream:
         self._sent += 1
         # seq is valid by construction and body_type was checked: header and tag need no further checks.
         tag = (body_type << BODY_TYPE_SHIFT) | seq if has_body else None
-        if _log.isEnabledFor(logging.DEBUG):
+        if self._debug:
             if tag is None:
                 _log.debug("server: message seq=0x%08x (no body)", seq)
             else:
