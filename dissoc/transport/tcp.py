@@ -83,7 +83,7 @@ _LOW_WATER = 1024 * 1024
 _READ_BUDGET = 16 * 1024 * 1024
 # sendmsg accepts at most IOV_MAX buffers (1024 on Linux).
 _IOV_MAX = 1024
-# A bytes payload up to this size is copied after its frame header (one buffer to send rather than two).
+# A bytes payload up to this size is copied next to its frame header (fewer buffers to send).
 _JOIN_BYTES = 4096
 _U64_MAX = (1 << 64) - 1
 # After an accept failed for want of file descriptors (or kernel memory), accepting pauses this long.
@@ -252,12 +252,14 @@ class TcpConnection(Connection):
     async def send_many(self, messages: Sequence[tuple[int | None, SendData]]) -> None:
         """Several frames, in order, through one gathered ``sendmsg`` (see :meth:`Connection.send_many`).
 
-        A small ``bytes`` payload is sent joined to its frame header (one buffer, copied), and a body of one
-        ``pa.Buffer`` goes as it is: the per-frame cost of a server streaming small batches.
+        Frame headers and small ``bytes`` payloads are copied together into one buffer up to the next large
+        payload, which goes as it is (a body of one ``pa.Buffer`` without further checks): a server streaming
+        small batches sends two buffers a batch, not four.
         """
         pieces: list[memoryview] = []
         append = pieces.append
         pack = _HEADER.pack
+        small: list[bytes] = []  # headers and small payloads not yet joined into a piece
         total = 0
         for tag, data in messages:
             if tag is None:
@@ -270,17 +272,28 @@ class TcpConnection(Connection):
             data_type = type(payload)
             if data_type is bytes and len(payload) <= _JOIN_BYTES:
                 size = len(payload)
-                append(memoryview(pack(kind, word, size) + payload))
-            elif data_type is list and len(payload) == 1 and type(payload[0]) is pa.Buffer:
-                body: pa.Buffer = payload[0]
-                size = body.size
-                append(memoryview(pack(kind, word, size)))
-                append(memoryview(body))
+                small.append(pack(kind, word, size))
+                small.append(payload)
             else:
-                views, size = as_views(data)
-                append(memoryview(pack(kind, word, size)))
-                pieces.extend(views)
+                if data_type is list and len(payload) == 1 and type(payload[0]) is pa.Buffer:
+                    body: pa.Buffer = payload[0]
+                    size = body.size
+                    views = None
+                else:
+                    views, size = as_views(data)
+                if small:
+                    small.append(pack(kind, word, size))
+                    append(memoryview(b"".join(small)))
+                    small = []
+                else:
+                    append(memoryview(pack(kind, word, size)))
+                if views is None:
+                    append(memoryview(body))
+                else:
+                    pieces += views
             total += size + HEADER_SIZE
+        if small:
+            append(memoryview(b"".join(small)))
         await self._send_pieces(pieces, total)
 
     async def _acquire_send(self) -> None:
