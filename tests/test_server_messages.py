@@ -183,3 +183,15 @@ async def test_kept_messages_go_with_their_dataset(tmp_path: Path) -> None:
     del datasets, closed, frames
     gc.collect()
     assert len(messages._PARSED) == before
+
+
+async def test_dataset_messages_are_the_chunks_one_by_one(tmp_path: Path) -> None:
+    path = _write(tmp_path / "t.arrow", _table())
+    dataset = IpcFileDataset(path)
+    try:
+        one_by_one = [item async for item in messages.dataset_messages(dataset, None)]
+        chunked = [item async for chunk in messages.message_chunks(dataset, None) for item in chunk]
+    finally:
+        dataset.close()
+    assert len(one_by_one) == BATCHES + 1
+    assert [(bytes(m), b, w) for m, b, w in one_by_one] == [(bytes(m), b, w) for m, b, w in chunked]
