@@ -159,13 +159,15 @@ class DataPart(StreamPart):
     def message(
         self, out: Outbox, sent: ServerMessage, metadata: Any, body: list[Any]
     ) -> Awaitable[None] | None:
-        if sent.tag is None:
+        tag = sent.tag
+        if tag is None:
             return None
         if not self._pairs:
             if self._device:
                 body = [_device_for_connection(body[0], self._conn)]
-            nbytes = _host_nbytes(body)
-            out.add(sent.tag, body, nbytes)
+            # stored data: one slice of the file
+            nbytes = body[0].size if len(body) == 1 and type(body[0]) is pa.Buffer else _host_nbytes(body)
+            out.add(tag, body, nbytes)
             tally = self._tally
             tally.batches += 1
             tally.bytes += nbytes

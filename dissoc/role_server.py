@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from dissoc.buffers import BytesLike
 from dissoc.datasets import Catalog, Dataset
-from dissoc.datasets.messages import dataset_messages, same_every_time
+from dissoc.datasets.messages import message_chunks, same_every_time
 from dissoc.errors import DissocError, ResourceError, TransportError
 from dissoc.logs import RateLimitedLog, new_stream_id, peer_log, stream_id
 from dissoc.metrics import SERVER
@@ -155,9 +155,11 @@ class Outbox:
 
     def __init__(self, conn: Connection, *, coalesce: bool) -> None:
         self.conn = conn
-        self._coalesce = coalesce
         self._frames: list[tuple[int | None, Any]] = []
         self._bytes = 0
+        # what makes it due: any frame, or the coalescing limits
+        self._max_frames = _COALESCE_MESSAGES if coalesce else 1
+        self._max_bytes = _COALESCE_BYTES if coalesce else 0
 
     def add(self, tag: int | None, data: BytesLike | Sequence[BytesLike], nbytes: int) -> None:
         """Queue one frame: untagged (metadata stream) when ``tag`` is None, else tagged."""
@@ -178,7 +180,7 @@ class Outbox:
     def due(self) -> bool:
         """Whether what is queued should be written now (after each message unless coalescing, else once
         the limits are reached)."""
-        return not self._coalesce or self._bytes >= _COALESCE_BYTES or len(self._frames) >= _COALESCE_MESSAGES
+        return len(self._frames) >= self._max_frames or self._bytes >= self._max_bytes
 
 
 class StreamPart(abc.ABC):
@@ -216,29 +218,36 @@ async def stream_dataset(
     time to the first batch.
     """
     stream = ServerStream()
-    messages = dataset_messages(dataset, compression)
+    chunks = message_chunks(dataset, compression)
     metrics = SERVER
     metrics.streams_started.inc(role)
     begun = time.monotonic()  # 0.0 once the first batch went
+    number = stream.message
+    senders = [part.message for part in parts]
+    metadata: Any = None
+    body: list[Any] = []
     try:
         first = True
-        async for metadata, body, with_body in messages:
+        # A chunk is walked with no await but the flushes (and a part that must wait): the per-message path.
+        async for chunk in chunks:
+            messages = iter(chunk)
             if first:
                 first = False
+                metadata, body, _ = next(messages)
                 header = stream.schema(metadata)
                 for part in parts:
                     part.schema(out, header, metadata)
-                continue
-            if begun:
-                metrics.time_to_first_batch.observe(time.monotonic() - begun)
-                begun = 0.0
-            sent = stream.message(metadata, with_body)
-            for part in parts:
-                waiting = part.message(out, sent, metadata, body)
-                if waiting is not None:
-                    await waiting
-            if out.due():
-                await out.flush()
+            for metadata, body, with_body in messages:
+                if begun:
+                    metrics.time_to_first_batch.observe(time.monotonic() - begun)
+                    begun = 0.0
+                sent = number(metadata, with_body)
+                for send in senders:
+                    waiting = send(out, sent, metadata, body)
+                    if waiting is not None:
+                        await waiting
+                if out.due():
+                    await out.flush()
         count = stream.next_seq
         for part in parts:
             part.end(out, stream)
@@ -269,8 +278,9 @@ async def stream_dataset(
         metrics.streams_failed.inc(role, "cancelled" if isinstance(e, asyncio.CancelledError) else "error")
         raise
     finally:
-        metadata, body = None, []  # a traceback through this frame must not keep the last batch
-        await messages.aclose()  # the dataset's reader stops now, also when the client left mid-stream
+        # a traceback through this frame must not keep the last batch
+        metadata, body, chunk, messages = None, [], (), iter(())
+        await chunks.aclose()  # the dataset's reader stops now, also when the client left mid-stream
         if not same_every_time(dataset):
             # Read through pyarrow's pool (Parquet, generated data, reader factories): give the memory freed
             # back to the system once nothing of the stream is referenced any more. The last batch is let go

@@ -103,6 +103,13 @@ class ServerMessage(NamedTuple):
     tag: int | None
 
 
+# ServerMessage made without the NamedTuple's Python-level __new__ (the per-message path).
+_new_message = tuple.__new__
+_pack_metadata_header = _METADATA_HEADER.pack
+_METADATA_TYPE = int(MessageType.METADATA)
+_STREAMING = ServerState.STREAMING  # a module global: faster to read than the enum's attribute
+
+
 class ServerStream:
     """Sequence numbering and message framing for one stream a server sends.
 
@@ -111,12 +118,16 @@ class ServerStream:
 
     :param start_seq: sequence number of the schema (0 in the protocol; other values let tests cover
         roll-over).
+
+    Each message is logged at debug level when the logger was enabled for it as the stream was made.
     """
 
     def __init__(self, *, start_seq: int = 0) -> None:
         self._next = check_seq(start_seq)
         self._sent = 0
         self._state = ServerState.IDLE
+        # Whether each message is logged: asked once per stream, not once per message.
+        self._debug = _log.isEnabledFor(logging.DEBUG)
 
     @property
     def state(self) -> ServerState:
@@ -162,21 +173,24 @@ class ServerStream:
         ``body_type`` (:data:`~dissoc.protocol.tags.BODY_PACKED` or :data:`~dissoc.protocol.tags.BODY_PAIRS`)
         says how its body will be sent; it is ignored when ``has_body`` is false.
         """
-        if self._state is not ServerState.STREAMING:
+        if self._state is not _STREAMING:
             self._require("message", ServerState.STREAMING)
         if not (len(metadata) if type(metadata) is bytes else len(as_byte_view(metadata))):
             raise ValueError("message metadata must not be empty")
         if has_body and body_type not in KNOWN_BODY_TYPES:
             make_body_tag(0, body_type)  # raises: validated before a sequence number is consumed
-        seq = self._take()
-        # seq comes from _take (valid) and body_type was checked: header and tag need no further checks.
+        # _take(), inlined: this runs once per message of every stream a server sends.
+        seq = self._next
+        self._next = (seq + 1) & SEQ_MAX
+        self._sent += 1
+        # seq is valid by construction and body_type was checked: header and tag need no further checks.
         tag = (body_type << BODY_TYPE_SHIFT) | seq if has_body else None
-        if _log.isEnabledFor(logging.DEBUG):
+        if self._debug:
             if tag is None:
                 _log.debug("server: message seq=0x%08x (no body)", seq)
             else:
                 _log.debug("server: message seq=0x%08x tag=0x%016x", seq, tag)
-        return ServerMessage(_METADATA_HEADER.pack(MessageType.METADATA, seq), seq, tag)
+        return _new_message(ServerMessage, (_pack_metadata_header(_METADATA_TYPE, seq), seq, tag))
 
     def end(self) -> bytes:
         """The end-of-stream message (it carries the next unused sequence number)."""

@@ -10,6 +10,7 @@ import struct
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from dissoc.buffers import DEFAULT_POOL
@@ -75,6 +76,37 @@ async def test_wire_format_is_exact() -> None:
         assert bytes(message.view()) == b"xyz"
         assert bytes(await conn.recv()) == b""
         assert bytes(await conn.recv()) == b"abc"
+
+
+async def test_send_many_wire_format_is_exact() -> None:
+    """Every kind of payload send_many takes (its fast paths included: small bytes joined to the header, a
+    body of one pa.Buffer) goes out byte for byte as the frames it stands for, in order."""
+    body = pa.py_buffer(bytes(range(256)) * 80).slice(3, 20000)
+    big = bytes(range(7)) * 1000  # past the size joined to its header
+    frames = [
+        (None, b"\x01meta"),
+        ((1 << 56) | 9, [body]),
+        (None, big),
+        (5, [b"ab", memoryview(b"cd"), pa.py_buffer(b"ef")]),
+        (None, memoryview(b"view")),
+        (0xFFFF_FFFF_FFFF_FFFF, b""),
+        (None, [body, b"x"]),
+    ]
+    expected = b"".join(
+        frame(1 if tag is None else 2, tag or 0, b"".join(bytes(memoryview(p)) for p in data))
+        if isinstance(data, list)
+        else frame(1 if tag is None else 2, tag or 0, bytes(data))
+        for tag, data in frames
+    )
+    async with raw_peer() as (conn, raw):
+        sending = asyncio.ensure_future(conn.send_many(frames))
+        assert await read_raw(raw, len(expected)) == expected
+        await sending
+        for bad in (-1, 1 << 64):
+            with pytest.raises(ValueError, match="tag"):
+                await conn.send_many([(None, b"first"), (bad, b"x")])
+        await conn.send_many([(3, b"after")])  # nothing of a refused call was sent
+        assert await read_raw(raw, HEADER_SIZE + 5) == frame(2, 3, b"after")
 
 
 async def test_frames_split_at_every_byte_are_reassembled() -> None:
