@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import struct
 import threading
 import time
 import weakref
@@ -29,8 +30,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 import pyarrow as pa
 
-from dissoc.buffers import buffer_nbytes, default_allocator
-from dissoc.codec import MessageDecoder
+from dissoc.buffers import DEFAULT_POOL, buffer_nbytes, default_allocator
+from dissoc.codec import MessageDecoder, frame_room
 from dissoc.connection_pool import own, owned, pool_of
 from dissoc.errors import DissocError, ProtocolError, RemoteError, ResourceError, TransportError
 from dissoc.flight.common import DEFAULT_TIMEOUT, is_flight_location
@@ -93,6 +94,7 @@ log = logging.getLogger(__name__)
 
 #: Metadata-stream messages whose sequence numbers follow the stream's order (errors are numbered after it).
 _ORDERED_TYPES = frozenset({MessageType.END_OF_STREAM, MessageType.METADATA})
+_SEQ = struct.Struct("<I")  # a metadata message's sequence number, after its type byte
 
 #: Bytes of batches decoded into one burst before it is handed to the consumer (see _stream_one).
 _CHUNK_BYTES = 64 << 20
@@ -260,6 +262,12 @@ class _Taker:
         if tag is None:
             return self.metadata and session.take_metadata(self.conn, payload)
         return self.bodies and session.take_body(self.conn, tag, payload, nbytes)
+
+    def on_pair(self, untagged: bytes, tag: int, staged: memoryview) -> bool:
+        session = self.session
+        if session.done or not (self.metadata and self.bodies):
+            return False
+        return session.take_pair(self.conn, untagged, tag, staged)
 
     def on_failure(self, exc: DissocError) -> None:
         self.session.connection_failed(exc)
@@ -521,6 +529,49 @@ class _Session:
             )
         return True
 
+    def take_pair(self, conn: Connection, buf: bytes, tag: int, staged: memoryview) -> bool:
+        """A metadata message and the tagged message after it, from one connection (see ``on_pair``;
+        ``staged`` is the tagged payload in the transport's buffer). In the common case (the next message, a
+        packed body, nothing held or waiting) the body is landed after room for its framing and the message
+        released and decoded at once (``MessageDecoder.decode_landed``); otherwise both are taken one by
+        one. False (nothing taken) once the metadata stream is done."""
+        nbytes = len(staged)
+        if (
+            self.express
+            and len(buf) > PREFIX_SIZE
+            and buf[0] == MessageType.METADATA
+            and not self.held
+            and not self.stalled_metadata
+            and not self.stalled_bodies
+            and not self.metadata_done
+        ):
+            seq = _SEQ.unpack_from(buf, 1)[0]
+            if seq == tag and (seq == self.expected_meta or not self.ordered):
+                metadata = buf[PREFIX_SIZE:]
+                try:
+                    if self.stream.release_packed(seq, metadata, nbytes):
+                        self.expected_meta = (seq + 1) & SEQ_MAX
+                        room = frame_room(len(metadata))
+                        landing = DEFAULT_POOL.allocate(room + nbytes)
+                        landing.data[room:] = staged
+                        batch = self.decoder.decode_landed(metadata, pa.py_buffer(landing))
+                        if batch is not None:  # (None: a dictionary batch, nothing to hand over)
+                            self.ready.append(_Decoded(batch, nbytes))
+                            self._wake()
+                            self.in_flight += nbytes
+                            if self.in_flight >= self.options.max_in_flight_bytes:
+                                self._update_pause()
+                        return True
+                except BaseException as exc:  # handed to the consumer, which raises it
+                    self._failed(exc)
+                    return True
+        if not self.take_metadata(conn, buf):
+            return False
+        body = DEFAULT_POOL.allocate(nbytes)
+        body.data[:] = staged
+        self.take_body(conn, tag, body, nbytes)
+        return True
+
     def take_metadata(self, conn: Connection, buf: Any) -> bool:
         if self.metadata_done:
             return False
@@ -715,10 +766,14 @@ class _Session:
     async def next_event(self) -> MessageReady | SchemaReceived | StreamEnded | _Decoded:
         """The next event for the consumer; silence longer than the timeout while it waits is an error."""
         ready = self.ready
-        if not ready:
-            waiter = self._wakeup = asyncio.get_running_loop().create_future()
+        deadline = None
+        while not ready:  # (a wake-up may have released nothing to hand over: a dictionary batch)
+            loop = asyncio.get_running_loop()
+            if deadline is None:
+                deadline = loop.time() + self.options.timeout
+            waiter = self._wakeup = loop.create_future()
             try:
-                await asyncio.wait_for(waiter, self.options.timeout)
+                await asyncio.wait_for(waiter, max(0.0, deadline - loop.time()))
             except TimeoutError:
                 if self.held:  # nothing followed them: let the stream see them before it is asked
                     with contextlib.suppress(DissocError):
@@ -1382,10 +1437,15 @@ class StreamReader:
         return self._pending.popleft()
 
     def __iter__(self) -> Iterator[Batch]:
+        pending = self._pending
         while True:
-            try:
-                yield self.read_next_batch()
-            except StopIteration:
+            while pending:  # (read_next_batch, without a call per batch)
+                watch = self._watch
+                if watch is not None and watch.failure is not None:
+                    self.close()
+                    raise watch.failure
+                yield pending.popleft()
+            if not self._pull():
                 return
 
     def read_all(self) -> pa.Table:

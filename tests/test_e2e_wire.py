@@ -274,3 +274,26 @@ async def test_one_connection_may_send_a_whole_part_beyond_the_window_first(bodi
         options = ClientOptions(timeout=TIMEOUT, window=8)
         table = await within(TIMEOUT + 5, fetch_async(raw.uri(), "x", options=options))
     assert table.column("id").to_pylist() == list(range(10, (count + 1) * 10))
+
+
+async def test_a_wake_up_that_hands_over_nothing_is_waited_past() -> None:
+    """A wake-up may release only what the consumer is not handed (a dictionary batch, decoded as it is
+    released): the consumer waits on for what comes next instead of taking from an empty queue."""
+    import asyncio
+
+    from dissoc.client import _Session
+    from dissoc.uri import DissocURI
+
+    uri = DissocURI.parse("tcp://127.0.0.1:9?want_data=7")
+    session = _Session(uri, uri, b"t", ClientOptions(timeout=5))
+    later = asyncio.get_running_loop().call_later
+    later(0.05, session._wake)  # nothing ready: woken for nothing
+    sentinel = RuntimeError("handed over")
+
+    def hand_over() -> None:
+        session.ready.append(sentinel)
+        session._wake()
+
+    later(0.2, hand_over)
+    with pytest.raises(RuntimeError, match="handed over"):
+        await within(5, session.next_event())

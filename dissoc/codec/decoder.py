@@ -200,6 +200,8 @@ class MessageDecoder:
 
     def has_body(self, metadata: object) -> bool:
         """Whether a message carries a body on the data stream (parsing through this decoder's cache)."""
+        if type(metadata) is bytes and metadata in self._parsed:  # (only batches are kept there)
+            return True
         key = bytes(metadata) if isinstance(metadata, (bytes, memoryview)) else None
         return self._parse_cached(metadata, key).has_body
 

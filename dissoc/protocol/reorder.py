@@ -457,16 +457,23 @@ class ReorderBuffer(Generic[M, B]):
         held: released without being held (what :meth:`add_metadata` then :meth:`add_body` would do, in one
         step). None when that is not the case: the caller then goes through those two, which check the rest.
         """
+        if not self.advance(seq, nbytes + meta_nbytes):
+            return None
+        return Complete(seq, metadata, body_type, body, nbytes)
+
+    def advance(self, seq: int, nbytes: int) -> bool:
+        """:meth:`release_next` for a caller that keeps the message itself: True when ``seq`` (``nbytes`` of
+        metadata and body together) was the next to release with nothing held, and is now released."""
         if (
             seq != self._next
             or self._slots
             or self._eos is not None
-            or meta_nbytes + nbytes > self._max_pending_bytes - self._pending_bytes
+            or nbytes > self._max_pending_bytes - self._pending_bytes
         ):
-            return None
+            return False
         self._next = (seq + 1) & SEQ_MAX
         self._released += 1
-        return Complete(seq, metadata, body_type, body, nbytes)
+        return True
 
     def end(self, eos_seq: int) -> list[Complete[M, B]]:
         """Record the end-of-stream message carrying ``eos_seq`` (the next unused sequence number, that is the

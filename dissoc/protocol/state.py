@@ -69,7 +69,6 @@ _METADATA_HEADER = struct.Struct("<BI")
 
 #: The largest tag of a packed body (body type 0 in bits 56-63, reserved bits 32-55 clear): the seq itself.
 _PACKED_TAG_MAX = 0xFFFF_FFFF
-_UNHELD = memoryview(b"")
 
 
 class StreamStateError(RuntimeError):
@@ -475,8 +474,7 @@ class ClientStream:
                 return False
         except Exception as exc:
             self._fail(exc)
-        # (nothing is held: the metadata given to the reorder buffer is only put in what it returns)
-        return self._reorder.release_next(seq, _UNHELD, BODY_PACKED, None, nbytes, len(metadata)) is not None
+        return self._reorder.advance(seq, nbytes + len(metadata))
 
     def close(self) -> None:
         """Declare that no more input will arrive; raise :class:`~dissoc.errors.ProtocolError` unless done.

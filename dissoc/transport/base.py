@@ -117,6 +117,17 @@ class Receiver(Protocol):
         """The connection failed or was closed, after every message received before was offered."""
 
 
+class PairReceiver(Receiver, Protocol):
+    """A :class:`Receiver` that may also take an untagged message and the tagged message right after it in
+    one call (a metadata message and its body, back to back on one connection; transports that see both
+    complete at once offer them so, the others one by one). Offered only on connections with the default
+    allocator: the receiver lands the tagged payload itself, where it suits it."""
+
+    def on_pair(self, untagged: bytes, tag: int, staged: memoryview) -> bool:
+        """Both messages; ``staged`` is the tagged payload in the transport's own buffer, valid only during
+        the call (copy what is kept). False only when neither was taken (they are then offered one by one)."""
+
+
 class ReceiveBudget:
     """Bytes being received, or received and not yet claimed, across all the connections that share it (a
     server's, through its listener).
@@ -230,6 +241,7 @@ class Connection(abc.ABC):
         self._budget = receive_budget
         self._reserved = 0
         self._receiver: Receiver | None = None
+        self._pair_receiver: Callable[[bytes, int, memoryview], bool] | None = None
         #: The stream this connection carries now (a log stream id, set by the server or client that runs
         #: it; None before the first): the transport's own lines about the connection carry it.
         self.stream_id: str | None = None
@@ -288,6 +300,7 @@ class Connection(abc.ABC):
         Flow control stays with the owner: :meth:`pause_reading` and :meth:`resume_reading`.
         """
         self._receiver = receiver
+        self._pair_receiver = getattr(receiver, "on_pair", None)
         if receiver is None:
             return
         for _ in range(len(self._untagged)):

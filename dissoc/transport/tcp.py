@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from dissoc.buffers import DEFAULT_POOL
+from dissoc.buffers import DEFAULT_POOL, default_allocator
 from dissoc.errors import DissocError, TransportError
 from dissoc.logs import peer_log
 from dissoc.metrics import SERVER
@@ -466,6 +466,16 @@ class TcpConnection(Connection):
                     if wpos - rpos < HEADER_SIZE:
                         break
                     first, tag, length = _HEADER.unpack_from(stage, rpos)
+                    if (
+                        self._pair_receiver is not None
+                        and first == KIND_UNTAGGED
+                        and tag == 0
+                        and length <= self._max_message_bytes
+                    ):
+                        taken = self._offer_pair(rpos, wpos, length)
+                        if taken:
+                            rpos = taken
+                            continue
                     if first != KIND_UNTAGGED or tag != 0 or length > self._max_message_bytes:
                         if self._frames == 0:
                             self._check_not_tls(view[rpos : rpos + 2])
@@ -514,6 +524,34 @@ class TcpConnection(Connection):
                 rpos = 0
             self._rpos = rpos
             self._wpos = wpos
+
+    def _offer_pair(self, rpos: int, wpos: int, length: int) -> int:
+        """An untagged message of ``length`` bytes staged at ``rpos`` and a tagged one staged after it (a
+        metadata message and its small body): offered to the receiver in one call. Returns where the next
+        frame starts once it took them, else 0 (they then go one by one). Both are admitted as they would be
+        one by one: nothing is buffered and the receiver takes the first before the second is looked at."""
+        if (
+            self._buffered
+            or self._budget is not None
+            or self._tag_limits
+            or self._paused_by_owner
+            or self._allocator is not default_allocator
+        ):
+            return 0
+        at = rpos + HEADER_SIZE + length
+        if at + HEADER_SIZE > wpos:
+            return 0
+        first, tag, body_length = _HEADER.unpack_from(self._stage, at)
+        end: int = at + HEADER_SIZE + body_length
+        if first != KIND_TAGGED or end > wpos or body_length > self._max_message_bytes:
+            return 0
+        view = self._stage_view
+        pair = self._pair_receiver
+        assert pair is not None
+        if not pair(bytes(view[rpos + HEADER_SIZE : at]), tag, view[at + HEADER_SIZE : end]):
+            return 0
+        self._frames += 2
+        return end
 
     def _finish_target(self) -> None:
         obj = self._target_obj
