@@ -263,14 +263,21 @@ class _Taker:
             return self.metadata and session.take_metadata(self.conn, payload)
         return self.bodies and session.take_body(self.conn, tag, payload, nbytes)
 
-    def on_pair(self, untagged: bytes, tag: int, staged: memoryview) -> bool:
-        session = self.session
-        if session.done or not (self.metadata and self.bodies):
-            return False
-        return session.take_pair(self.conn, untagged, tag, staged)
-
     def on_failure(self, exc: DissocError) -> None:
         self.session.connection_failed(exc)
+
+
+class _PairTaker(_Taker):
+    """A :class:`_Taker` for a connection that carries both streams: it also takes a metadata message and
+    its body in one call (``PairReceiver.on_pair``)."""
+
+    __slots__ = ()
+
+    def on_pair(self, untagged: bytes, tag: int, staged: memoryview) -> bool:
+        session = self.session
+        if session.done:
+            return False
+        return session.take_pair(self.conn, untagged, tag, staged)
 
 
 class _Decoded(NamedTuple):
@@ -439,7 +446,7 @@ class _Session:
             meta.set_receiver(_Taker(self, meta, metadata=True, bodies=False))
             data.set_receiver(_Taker(self, data, metadata=False, bodies=True))
         else:
-            meta.set_receiver(_Taker(self, meta, metadata=True, bodies=True))
+            meta.set_receiver(_PairTaker(self, meta, metadata=True, bodies=True))
         self.pairing = self.ordered
         await meta.send_tagged(self.meta_uri.want_data, self.ticket)
         if self.split:
@@ -585,26 +592,31 @@ class _Session:
                     self.stalled_metadata.append(buf)
                     self._stalled(conn, len(buf))
                     return True
-                if self.pairing and kind == MessageType.METADATA and not self.stalled_bodies:
-                    held = self.held
-                    stream = self.stream
-                    if held:
-                        if seq == (held[-1][0] + 1) & SEQ_MAX:
-                            held.append((seq, buf))
-                            return True
-                    elif (
-                        seq == stream.next_seq
-                        and stream.state is ClientState.STREAMING
-                        and stream.pending_bytes == 0
-                    ):
-                        held.append((seq, buf))
-                        return True
+                if kind == MessageType.METADATA and self._hold(seq, buf):
+                    return True
             if self.held:
                 self._flush_held()
             self._metadata(buf)
         except BaseException as exc:  # handed to the consumer, which raises it
             self._failed(exc)
         return True
+
+    def _hold(self, seq: int, buf: Any) -> bool:
+        """Hold metadata message ``seq`` for its body (pairing), if it runs on from the next one to release;
+        False: it goes through the stream on its own."""
+        if not self.pairing or self.stalled_bodies:
+            return False
+        held = self.held
+        if held:
+            if seq == (held[-1][0] + 1) & SEQ_MAX:
+                held.append((seq, buf))
+                return True
+            return False
+        stream = self.stream
+        if seq == stream.next_seq and stream.state is ClientState.STREAMING and stream.pending_bytes == 0:
+            held.append((seq, buf))
+            return True
+        return False
 
     def _flush_held(self) -> None:
         """The held metadata messages go through the stream on their own (what came next did not pair)."""
@@ -710,7 +722,12 @@ class _Session:
                         break
                     self.stalled_metadata.popleft()
                     self.stalled_bytes -= len(buf)
-                    self._metadata(buf)
+                    # held for its body as if it had just come (else, once in the stream, every later
+                    # message would meet a stream holding something, and none would pair again)
+                    if prefix is None or prefix[0] != MessageType.METADATA or not self._hold(prefix[1], buf):
+                        if self.held:
+                            self._flush_held()
+                        self._metadata(buf)
                     progress = True
                 while self.stalled_bodies and not self.done:
                     tag, payload, nbytes = self.stalled_bodies[0]
