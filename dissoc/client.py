@@ -26,7 +26,7 @@ import weakref
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Hashable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import pyarrow as pa
 
@@ -280,12 +280,9 @@ class _PairTaker(_Taker):
         return session.take_pair(self.conn, untagged, tag, staged)
 
 
-class _Decoded(NamedTuple):
-    """A batch decoded as its message arrived (packed host bodies released in one step), with the body's
-    size: what the consumer is handed in place of the :class:`MessageReady` it would decode itself."""
-
-    batch: pa.RecordBatch
-    nbytes: int
+#: A batch decoded as its message was released (packed host bodies), with its body's size: what the consumer
+#: is handed in place of the :class:`MessageReady` it would decode itself (a plain tuple: one per batch).
+_Decoded: TypeAlias = "tuple[pa.RecordBatch, int]"
 
 
 class _Session:
@@ -512,7 +509,7 @@ class _Session:
                 if batch is None:  # a dictionary batch: nothing to hand over, nothing held
                     self.in_flight -= n
                 else:
-                    ready.append(_Decoded(batch, n))
+                    ready.append((batch, n))
             else:
                 if kind is SchemaReceived:
                     decoder.decode(ev.metadata)
@@ -563,7 +560,7 @@ class _Session:
                         landing.data[room:] = staged
                         batch = self.decoder.decode_landed(metadata, pa.py_buffer(landing))
                         if batch is not None:  # (None: a dictionary batch, nothing to hand over)
-                            self.ready.append(_Decoded(batch, nbytes))
+                            self.ready.append((batch, nbytes))
                             self._wake()
                             self.in_flight += nbytes
                             if self.in_flight >= self.options.max_in_flight_bytes:
@@ -669,7 +666,7 @@ class _Session:
                         if self.stream.release_packed(tag, metadata, nbytes):
                             batch = self.decoder.decode(metadata, payload)
                             if batch is not None:
-                                self.ready.append(_Decoded(batch, nbytes))
+                                self.ready.append((batch, nbytes))
                                 self._wake()
                             else:  # a dictionary batch: nothing to hand over
                                 self.in_flight -= nbytes
@@ -1145,9 +1142,8 @@ async def _stream_one(
             ready = session.ready
             counts = session.stats
             while True:
-                if isinstance(ev, _Decoded):  # decoded as it arrived (the common case)
-                    batch = ev.batch
-                    n = ev.nbytes
+                if isinstance(ev, tuple):  # decoded as it was released (the common case)
+                    batch, n = ev
                     session.in_flight -= n
                     if session.reading_paused:
                         session.resume_if_drained()
