@@ -328,8 +328,9 @@ class _Session:
         self.stalled_bodies: deque[tuple[int, Any, int]] = deque()
         self.stalled_bytes = 0
         self._retrying = False
-        # On in-order transports, metadata messages that run in sequence from the next one to release wait
-        # here for their bodies, so that each pair goes through the stream in one step (the common case).
+        # Metadata messages that run in sequence from the next one to release wait here for their bodies, so
+        # that each pair goes through the stream in one step (the common case; anything out of sequence
+        # sends what is held through the stream, which sorts it out). Once the stream has started.
         self.pairing = False
         self.held: deque[tuple[int, Any]] = deque()
         # Packed bodies landing in host memory are decoded as they are released (see _decode_now).
@@ -444,7 +445,7 @@ class _Session:
             data.set_receiver(_Taker(self, data, metadata=False, bodies=True))
         else:
             meta.set_receiver(_PairTaker(self, meta, metadata=True, bodies=True))
-        self.pairing = self.ordered
+        self.pairing = True
         await meta.send_tagged(self.meta_uri.want_data, self.ticket)
         if self.split:
             await data.send_tagged(self.data_uri.want_data, self.ticket)
