@@ -263,13 +263,19 @@ class _Taker:
             return self.metadata and session.take_metadata(self.conn, payload)
         return self.bodies and session.take_body(self.conn, tag, payload, nbytes)
 
+    def on_staged(self, tag: int, staged: memoryview) -> bool:
+        session = self.session
+        if session.done or not self.bodies:
+            return False
+        return session.take_staged(self.conn, tag, staged)
+
     def on_failure(self, exc: DissocError) -> None:
         self.session.connection_failed(exc)
 
 
 class _PairTaker(_Taker):
     """A :class:`_Taker` for a connection that carries both streams: it also takes a metadata message and
-    its body in one call (``PairReceiver.on_pair``)."""
+    its body in one call (``StagingReceiver.on_pair``)."""
 
     __slots__ = ()
 
@@ -556,16 +562,7 @@ class _Session:
                 try:
                     if self.stream.release_packed(seq, metadata, nbytes):
                         self.expected_meta = (seq + 1) & SEQ_MAX
-                        room = frame_room(len(metadata))
-                        landing = DEFAULT_POOL.allocate(room + nbytes)
-                        landing.data[room:] = staged
-                        batch = self.decoder.decode_landed(metadata, pa.py_buffer(landing))
-                        if batch is not None:  # (None: a dictionary batch, nothing to hand over)
-                            self.ready.append((batch, nbytes))
-                            self._wake()
-                            self.in_flight += nbytes
-                            if self.in_flight >= self.options.max_in_flight_bytes:
-                                self._update_pause()
+                        self._land(metadata, staged, nbytes)
                         return True
                 except BaseException as exc:  # handed to the consumer, which raises it
                     self._failed(exc)
@@ -577,9 +574,62 @@ class _Session:
         self.take_body(conn, tag, body, nbytes)
         return True
 
+    def _land(self, metadata: bytes, staged: memoryview, nbytes: int) -> None:
+        """A released message's body, still in the transport's buffer: landed after room for its framing and
+        decoded in place (``MessageDecoder.decode_landed``); the batch is handed over."""
+        room = frame_room(len(metadata))
+        landing = DEFAULT_POOL.allocate(room + nbytes)
+        landing.data[room:] = staged
+        batch = self.decoder.decode_landed(metadata, pa.py_buffer(landing))
+        if batch is not None:  # (None: a dictionary batch, nothing to hand over)
+            self.ready.append((batch, nbytes))
+            self._wake()
+            self.in_flight += nbytes
+            if self.in_flight >= self.options.max_in_flight_bytes:
+                self._update_pause()
+
+    def take_staged(self, conn: Connection, tag: int, staged: memoryview) -> bool:
+        """A tagged message still in the transport's buffer (see ``on_staged``): the body of the first held
+        metadata message, released and decoded at once, in the common case; otherwise copied out and taken
+        as any other."""
+        held = self.held
+        nbytes = len(staged)
+        if self.express and held and tag == held[0][0] and type(held[0][1]) is bytes:
+            metadata = held[0][1][PREFIX_SIZE:]
+            try:
+                if self.stream.release_packed(tag, metadata, nbytes):
+                    held.popleft()
+                    self._land(metadata, staged, nbytes)
+                    if (self.stalled_metadata or self.stalled_bodies) and not self._retrying:
+                        self._retry_stalled()  # (as _publish does: the window moved)
+                    return True
+            except BaseException as exc:  # handed to the consumer, which raises it
+                self._failed(exc)
+                return True
+        body = DEFAULT_POOL.allocate(nbytes)
+        body.data[:] = staged
+        return self.take_body(conn, tag, body, nbytes)
+
     def take_metadata(self, conn: Connection, buf: Any) -> bool:
         if self.metadata_done:
             return False
+        held = self.held
+        if held and type(buf) is bytes and len(buf) > PREFIX_SIZE and buf[0] == MessageType.METADATA:
+            # The common case of a metadata stream running ahead of its bodies: the next in a held run,
+            # inside the window (what _check_order, _ahead and _hold would find, in fewer steps).
+            seq = _SEQ.unpack_from(buf, 1)[0]
+            stream = self.stream
+            if (
+                seq == (held[-1][0] + 1) & SEQ_MAX
+                and (seq == self.expected_meta or not self.ordered)
+                and not self.stalled_metadata
+                and not self.stalled_bodies
+                and stream.state is ClientState.STREAMING
+                and (seq - stream.next_seq) & SEQ_MAX < self.options.window
+            ):
+                self.expected_meta = (seq + 1) & SEQ_MAX
+                held.append((seq, buf))
+                return True
         try:
             prefix = peek_prefix(buf)
             if prefix is not None and prefix[0] in _ORDERED_TYPES:

@@ -117,15 +117,20 @@ class Receiver(Protocol):
         """The connection failed or was closed, after every message received before was offered."""
 
 
-class PairReceiver(Receiver, Protocol):
-    """A :class:`Receiver` that may also take an untagged message and the tagged message right after it in
-    one call (a metadata message and its body, back to back on one connection; transports that see both
-    complete at once offer them so, the others one by one). Offered only on connections with the default
-    allocator: the receiver lands the tagged payload itself, where it suits it."""
+class StagingReceiver(Receiver, Protocol):
+    """A :class:`Receiver` that may also take messages straight from the transport's staging buffer (small
+    ones, received whole in one read), landing their payloads where it suits it. Transports that stage
+    offer them so where a receiver has the method (each is optional), on connections with the default
+    allocator and no receive budget; every other message comes through :meth:`on_message`."""
 
     def on_pair(self, untagged: bytes, tag: int, staged: memoryview) -> bool:
-        """Both messages; ``staged`` is the tagged payload in the transport's own buffer, valid only during
-        the call (copy what is kept). False only when neither was taken (they are then offered one by one)."""
+        """An untagged message and the tagged message right after it (a metadata message and its body, back
+        to back on one connection); ``staged`` is the tagged payload in the transport's own buffer, valid only
+        during the call (copy what is kept). False only when neither was taken (they then come one by one)."""
+
+    def on_staged(self, tag: int, staged: memoryview) -> bool:
+        """One tagged message (``staged`` as for :meth:`on_pair`); False: not taken (it then comes through
+        :meth:`on_message`)."""
 
 
 class ReceiveBudget:
@@ -242,6 +247,7 @@ class Connection(abc.ABC):
         self._reserved = 0
         self._receiver: Receiver | None = None
         self._pair_receiver: Callable[[bytes, int, memoryview], bool] | None = None
+        self._staged_receiver: Callable[[int, memoryview], bool] | None = None
         #: The stream this connection carries now (a log stream id, set by the server or client that runs
         #: it; None before the first): the transport's own lines about the connection carry it.
         self.stream_id: str | None = None
@@ -301,6 +307,7 @@ class Connection(abc.ABC):
         """
         self._receiver = receiver
         self._pair_receiver = getattr(receiver, "on_pair", None)
+        self._staged_receiver = getattr(receiver, "on_staged", None)
         if receiver is None:
             return
         for _ in range(len(self._untagged)):

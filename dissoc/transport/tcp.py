@@ -500,6 +500,16 @@ class TcpConnection(Connection):
                     rpos += length
                     continue
                 if tagged:
+                    staged = self._staged_receiver
+                    if (
+                        staged is not None
+                        and wpos - rpos >= length
+                        and self._budget is None
+                        and self._allocator is default_allocator
+                        and staged(tag, view[rpos : rpos + length])
+                    ):
+                        rpos += length
+                        continue
                     obj, target = self._allocate(tag, length)
                     if wpos - rpos >= length:  # all staged already (small payloads): no target to track
                         target[:] = view[rpos : rpos + length]

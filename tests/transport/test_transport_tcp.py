@@ -123,6 +123,78 @@ async def test_frames_split_at_every_byte_are_reassembled() -> None:
         assert bytes((await conn.recv_tagged(5)).view()) == b"tagged-one"
 
 
+class _Recording:
+    """A receiver that records what it is handed, as (how, tag, payload bytes); with ``staging`` it also
+    takes messages from the transport's staging buffer, declining every ``decline``-th offer."""
+
+    def __init__(self, staging: bool, decline: int = 0) -> None:
+        self.got: list[tuple[str, int | None, bytes]] = []
+        self.offers = 0
+        self.decline = decline
+        if staging:
+            self.on_pair = self._on_pair
+            self.on_staged = self._on_staged
+
+    def _declines(self) -> bool:
+        self.offers += 1
+        return bool(self.decline) and self.offers % self.decline == 0
+
+    def on_message(self, tag: int | None, payload: Any, nbytes: int) -> bool:
+        data = bytes(memoryview(payload).cast("B"))
+        assert len(data) == nbytes
+        self.got.append(("one", tag, data))
+        return True
+
+    def _on_pair(self, untagged: bytes, tag: int, staged: memoryview) -> bool:
+        if self._declines():
+            return False
+        self.got += [("pair", None, bytes(untagged)), ("pair", tag, bytes(staged))]
+        return True
+
+    def _on_staged(self, tag: int, staged: memoryview) -> bool:
+        if self._declines():
+            return False
+        self.got.append(("staged", tag, bytes(staged)))
+        return True
+
+    def on_failure(self, exc: Exception) -> None:
+        pass
+
+
+@pytest.mark.parametrize("trickle", [False, True])
+@pytest.mark.parametrize("decline", [0, 2])
+async def test_staging_receivers_get_every_message_once_in_order(trickle: bool, decline: int) -> None:
+    """Receivers that take messages from the staging buffer (a metadata message and its body at once, or a
+    staged tagged message) see the same messages in the same order as those that take them one by one,
+    whether frames arrive whole or a byte at a time, and whether they decline some offers."""
+    messages = [
+        (1, 0, b"meta-%d" % i) if i % 3 else (2, 100 + i, bytes([i]) * (i * 7 + 1)) for i in range(30)
+    ]
+    messages += [(1, 0, b"m"), (2, 7, bytes(70_000)), (2, 8, b"after a large one")]
+    data = b"".join(frame(kind, tag, payload) for kind, tag, payload in messages)
+    expected = [(None if kind == 1 else tag, payload) for kind, tag, payload in messages]
+    for staging in (False, True):
+        receiver = _Recording(staging, decline)
+        async with raw_peer() as (conn, raw):
+            conn.set_receiver(receiver)
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            step = 1 if trickle else len(data)
+            for i in range(0, len(data), step):
+                raw.sendall(data[i : i + step])
+                if trickle and i % 5 == 0:
+                    await asyncio.sleep(0)
+            for _ in range(500):
+                if len(receiver.got) == len(expected):
+                    break
+                await asyncio.sleep(0.01)
+        assert [(tag, payload) for _, tag, payload in receiver.got] == expected
+        hows = {how for how, _, _ in receiver.got}
+        if not staging:
+            assert hows == {"one"}
+        elif not trickle:  # (declining every other offer, every pair may be declined)
+            assert ({"pair", "staged"} if not decline else {"staged"}) <= hows
+
+
 async def test_large_payload_trickling_in_does_not_stall() -> None:
     payload = np.random.default_rng(5).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
     data = frame(2, 1, payload) + frame(1, 0, b"after")
