@@ -81,6 +81,10 @@ _DIRECT_READ_MIN = 64 * 1024
 _LOW_WATER = 1024 * 1024
 # Bytes one reader callback may consume before yielding to other tasks.
 _READ_BUDGET = 16 * 1024 * 1024
+# ... of which at most this much through the staging buffer (small messages): their consumer then takes them
+# while they are still in the cache, and the receive buffers they land in are reused sooner (measured with
+# small batches: 1 MiB a wake-up took about a tenth off the client's time against 16 MiB).
+_STAGED_READ_BUDGET = 1024 * 1024
 # sendmsg accepts at most IOV_MAX buffers (1024 on Linux).
 _IOV_MAX = 1024
 # A bytes payload up to this size is copied next to its frame header (fewer buffers to send).
@@ -407,6 +411,7 @@ class TcpConnection(Connection):
         # No more per wake-up than the buffering budget: consumers get to claim what arrived before the next
         # read, so a burst cannot pile up past the budget merely because they had no turn yet.
         budget = min(_READ_BUDGET, self._max_buffered_bytes)
+        staged_budget = _STAGED_READ_BUDGET
         try:
             while True:
                 target = self._target
@@ -428,6 +433,9 @@ class TcpConnection(Connection):
                     self._wpos += n
                     self._process()
                     if self._paused or self._closed:
+                        return
+                    staged_budget -= n
+                    if staged_budget <= 0:
                         return
                 budget -= n
                 if n < want or budget <= 0:
