@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from dissoc.buffers import BytesLike, device_nbytes
 from dissoc.errors import DissocError, ResourceError, TransportError
@@ -120,9 +121,15 @@ class UcxConnection(Connection):
         self._driver = driver
         self._worker = driver.worker
         self._ep = endpoint
+        #: The endpoint when it is dissoc's own (it sends from an address, no ucxx Array needed).
+        self._raw_ep: RawEndpoint | None = endpoint if isinstance(endpoint, RawEndpoint) else None
         self._bootstrap: Any = bootstrap
         self._bootstrap_driver = bootstrap_driver
         self._tagged: list[_TaggedRecv] = []
+        # The tag and masks most probes use, made once.
+        self._tag_any = ucx_tag(0)
+        self._mask_any = ucx_mask(0)
+        self._mask_all = ucx_mask(TAG_MASK_ALL)
         self._inflight = 0
         self._claimed: dict[int, int] = {}
         self._peer_gone = False
@@ -153,8 +160,8 @@ class UcxConnection(Connection):
 
     # ------------------------------------------------------------------------------------------------ sending
 
-    def _post(self, tagged: bool, tag: int, views: list[Any], total: int) -> tuple[Any, object, str]:
-        """Post one message to UCX; returns the request, what it must keep alive, and a description.
+    def _post(self, tagged: bool, tag: int, views: list[Any], total: int) -> tuple[Any, object]:
+        """Post one message to UCX; returns the request and what it must keep alive.
 
         ``views`` are byte views, or one device buffer (``__cuda_array_interface__``), sent from where it is
         (a device buffer's type is whatever array library made it, hence ``Any``).
@@ -167,19 +174,39 @@ class UcxConnection(Connection):
             for view in views:
                 data[offset : offset + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
                 offset += view.nbytes
-        what = f"sending tagged message {tag:#018x}" if tagged else "sending an untagged message"
         if self._closed or self._closing:
-            raise self._closed_error(what)
+            raise self._closed_error(_sending(tagged, tag))
         try:
             array = ucx_array(data)
             request = self._ep.tag_send(array, ucx_tag(tag)) if tagged else self._ep.am_send(array)
         except Exception as exc:
-            raise TransportError(f"{self._description}: {what} failed: {exc}") from exc
-        return request, (array, data), what
+            raise TransportError(f"{self._description}: {_sending(tagged, tag)} failed: {exc}") from exc
+        return request, (array, data)
+
+    def _post_host(self, tagged: bool, tag: int, buffer: bytes | pa.Buffer) -> tuple[Any, object]:
+        """:meth:`_post` for one host buffer (see :func:`_host_buffer`): on dissoc's own endpoint, straight
+        from its address (no ucxx ``Array``)."""
+        raw = self._raw_ep
+        if raw is None:
+            return self._post(tagged, tag, [buffer], len(buffer))
+        if self._closed or self._closing:
+            raise self._closed_error(_sending(tagged, tag))
+        if isinstance(buffer, bytes):
+            ptr: int | bytes = buffer
+            nbytes = len(buffer)
+        else:
+            ptr = buffer.address
+            nbytes = buffer.size
+        try:
+            if tagged:
+                return raw.tag_send_buffer(ptr, nbytes, tag, buffer), buffer
+            return raw.am_send_buffer(ptr, nbytes, buffer), buffer
+        except Exception as exc:
+            raise TransportError(f"{self._description}: {_sending(tagged, tag)} failed: {exc}") from exc
 
     async def _send_frame(self, tagged: bool, tag: int, views: list[memoryview], total: int) -> None:
-        request, keep, what = self._post(tagged, tag, views, total)
-        await self._driver.wait(request, keep, what)
+        request, keep = self._post(tagged, tag, views, total)
+        await self._driver.wait(request, keep, _sending(tagged, tag))
 
     async def send_tagged(self, tag: int, data: SendData) -> None:
         """Send one tagged message (host buffers, or one device buffer sent from device memory)."""
@@ -187,19 +214,36 @@ class UcxConnection(Connection):
 
     async def send_many(self, messages: Sequence[tuple[int | None, SendData]]) -> None:
         """Post every message at once, in order, then wait for them all (see :meth:`Connection.send_many`)."""
-        prepared: list[tuple[bool, int, list[Any], int]] = []
+        # Everything is checked before anything is posted.
+        prepared: list[tuple[bool, int, Any, list[Any] | None, int]] = []
         for tag, data in messages:
             if tag is not None:
                 check_u64(tag, "tag")
+            host = _host_buffer(data)
+            if host is not None:
+                prepared.append((tag is not None, tag or 0, host, None, 0))
+                continue
             device = _device_item(data)
             if device is not None:
-                prepared.append((tag is not None, tag or 0, [device[0]], device[1]))
+                prepared.append((tag is not None, tag or 0, None, [device[0]], device[1]))
                 continue
             views, total = as_views(data)
-            prepared.append((tag is not None, tag or 0, views, total))
-        posted = [self._post(tagged, tag, views, total) for tagged, tag, views, total in prepared]
-        for request, keep, what in posted:
-            await self._driver.wait(request, keep, what)
+            prepared.append((tag is not None, tag or 0, None, views, total))
+        posted = [
+            self._post_host(tagged, tag, host) if views is None else self._post(tagged, tag, views, total)
+            for tagged, tag, host, views, total in prepared
+        ]
+        driver = self._driver
+        for (request, keep), (tagged, tag, *_) in zip(posted, prepared, strict=True):
+            if request.completed:
+                try:
+                    request.check_error()
+                except Exception as exc:
+                    raise TransportError(
+                        f"{driver.description}: {_sending(tagged, tag)} failed: {exc}"
+                    ) from exc
+                continue
+            await driver.wait(request, keep, _sending(tagged, tag))
 
     # ---------------------------------------------------------------------------------------------- receiving
 
@@ -218,12 +262,21 @@ class UcxConnection(Connection):
         return activity
 
     def _finish_tagged(self) -> bool:
-        if not self._tagged:
+        tagged = self._tagged
+        if not tagged:
             return False
-        done = [r for r in self._tagged if r.request.completed]
-        if not done:
-            return False
-        self._tagged = [r for r in self._tagged if not r.request.completed]
+        if len(tagged) == 1:
+            if not tagged[0].request.completed:
+                return False
+            done, self._tagged = tagged, []
+        else:
+            done = []
+            still: list[_TaggedRecv] = []
+            for item in tagged:
+                (done if item.request.completed else still).append(item)
+            if not done:
+                return False
+            self._tagged = still
         for item in done:
             self._inflight -= item.length
             self._release_claim(item.waiter)
@@ -262,7 +315,12 @@ class UcxConnection(Connection):
                     self._teardown(am.error)
                     return True
                 break
-            if not (force or self._may_take(length, any(not f.done() for f in self._untagged_waiters))):
+            # (whether a consumer waits is asked only when the budget alone does not admit the message)
+            if not (
+                force
+                or self._may_take(length, False)
+                or self._may_take(length, any(not f.done() for f in self._untagged_waiters))
+            ):
                 break
             message = am.pop()
             activity = True
@@ -307,13 +365,26 @@ class UcxConnection(Connection):
     def _probe(self, tag: int, mask: int, waiter: Waiter | None, force: bool) -> bool:
         """Receive the oldest message matching ``tag``/``mask`` if there is one and it may be taken now."""
         worker = self._worker
-        probe = worker.tag_probe(ucx_tag(tag), ucx_mask(mask), False)
+        wanted = waiter is not None
+        # When any message of an admissible size would be taken, it is taken by the first probe; otherwise
+        # the first only looks (its length decides), and a second one takes it.
+        if force:
+            certain = True
+        elif self._paused_by_owner:
+            certain = False
+        else:
+            used = self._buffered + self._inflight
+            certain = wanted or used == 0 or used + self._max_message_bytes <= self._max_buffered_bytes
+        if tag == 0 and mask == 0:
+            probe = worker.tag_probe(self._tag_any, self._mask_any, certain)
+        else:
+            probe = worker.tag_probe(ucx_tag(tag), ucx_mask(mask), certain)
         if not probe.matched:
             return False
         found = int(probe.sender_tag.value)
         length = int(probe.length)
         if found == BYE_TAG:
-            self._take_bye(length)
+            self._take_bye(length, probe if certain else None)
             return True
         if length > self._max_message_bytes:
             self._teardown(
@@ -322,23 +393,33 @@ class UcxConnection(Connection):
                     f"the limit (max_message_bytes) is {self._max_message_bytes}"
                 )
             )
+            if certain:
+                self._discard(probe, length)
             return True
         if self._tag_limits or self._budget is not None:
             try:
                 if self._tag_limits:
                     self._check_tag_limit(found, length)
-                if not force and not self._may_take(length, waiter is not None):
+                if not certain and not self._may_take(length, wanted):
                     return False
                 self._reserve(length)
             except DissocError as exc:
                 self._teardown(exc)
+                if certain:
+                    self._discard(probe, length)
                 return True
-        elif not force and not self._may_take(length, waiter is not None):
+        elif not certain and not self._may_take(length, wanted):
             return False
-        buffer, view = self._allocate(found, length)
-        probe = worker.tag_probe(ucx_tag(found), ucx_mask(TAG_MASK_ALL), True)
-        if not probe.matched:  # cannot happen: the message matched a moment ago
-            return False
+        try:
+            buffer, view = self._allocate(found, length)
+        except BaseException:
+            if certain:
+                self._discard(probe, length)
+            raise
+        if not certain:
+            probe = worker.tag_probe(ucx_tag(found), self._mask_all, True)
+            if not probe.matched:  # cannot happen: the message matched a moment ago
+                return False
         request = worker.tag_recv_with_handle(ucx_array(view), probe)
         key = id(waiter) if waiter is not None else 0
         if key:
@@ -347,11 +428,22 @@ class UcxConnection(Connection):
         self._tagged.append(_TaggedRecv(request, found, length, buffer, view, key))
         return True
 
+    def _discard(self, probe: Any, length: int) -> None:
+        """Receive a message taken from UCX (``probe``, removed) into a sink and drop it: the connection is
+        failing. A sink smaller than the message: UCX truncates (an error on this side only) and the sender's
+        request completes all the same."""
+        sink = np.empty(max(1, min(length, _DISCARD_BYTES)), dtype=np.uint8)
+        with contextlib.suppress(Exception):
+            request = self._worker.tag_recv_with_handle(ucx_array(sink), probe)
+            self._driver.pending.append(Pending(request, sink, None))
+
     # ------------------------------------------------------------------------------------------------ closing
 
-    def _take_bye(self, length: int) -> None:
-        """The peer announced that it closes: consume the notice, then drain and fail like a lost peer."""
-        probe = self._worker.tag_probe(ucx_tag(BYE_TAG), ucx_mask(TAG_MASK_ALL), True)
+    def _take_bye(self, length: int, probe: Any = None) -> None:
+        """The peer announced that it closes: consume the notice (``probe``: already taken from UCX), then
+        drain and fail like a lost peer."""
+        if probe is None:
+            probe = self._worker.tag_probe(ucx_tag(BYE_TAG), self._mask_all, True)
         if probe.matched:
             self._peer_bye = True
             sink = bytearray(max(1, min(length, MAX_HELLO)))
@@ -474,6 +566,7 @@ class UcxConnection(Connection):
             driver.close()
             self._am.abandon()
             self._ep = None
+            self._raw_ep = None
             self._bootstrap = None
             self._worker = None
 
@@ -521,7 +614,7 @@ class UcxConnection(Connection):
         """Take every tagged message that arrived and drop it (the connection is closed), noting the BYE."""
         worker = self._worker
         for _ in range(MAX_ROUNDS):
-            probe = worker.tag_probe(ucx_tag(0), ucx_mask(0), True)
+            probe = worker.tag_probe(self._tag_any, self._mask_any, True)
             if not probe.matched:
                 return
             if int(probe.sender_tag.value) == BYE_TAG:
@@ -561,6 +654,26 @@ def _completed(request: Any) -> bool:
         return bool(request.completed)
     except Exception:
         return True
+
+
+def _sending(tagged: bool, tag: int) -> str:
+    """What a send does, as its errors say."""
+    return f"sending tagged message {tag:#018x}" if tagged else "sending an untagged message"
+
+
+def _host_buffer(data: SendData) -> bytes | pa.Buffer | None:
+    """The one host buffer ``data`` is (alone or in a one-item list) when it is ``bytes`` or a host
+    ``pa.Buffer``, the messages a server sends; None for anything else (gathered, or device memory)."""
+    item: Any = data
+    kind = type(item)
+    if kind is list or kind is tuple:
+        if len(item) != 1:
+            return None
+        item = item[0]
+        kind = type(item)
+    if kind is bytes or (kind is pa.Buffer and item.is_cpu):
+        return item
+    return None
 
 
 def _device_item(data: SendData) -> tuple[Any, int] | None:

@@ -42,7 +42,6 @@ from dissoc.transport.ucx.libucp import (
     check,
     lib,
     ptr_is_err,
-    ptr_is_ptr,
     ptr_status,
     status_string,
 )
@@ -55,6 +54,7 @@ logger = logging.getLogger(__name__)
 #: callback (bool), memory-type policy (u8, fall back to host), user header size (u64, 0).
 UCXX_AM_HEADER = struct.pack("<i?BQ", 0, False, 0, 0)
 _HEADER = ctypes.create_string_buffer(UCXX_AM_HEADER, len(UCXX_AM_HEADER))
+_HEADER_LEN = len(UCXX_AM_HEADER)
 
 
 def _request_param(flags: int = 0) -> UcpRequestParam:
@@ -70,6 +70,8 @@ def _request_param(flags: int = 0) -> UcpRequestParam:
 _PLAIN = _request_param()
 _AM_REPLY = _request_param(UCP_AM_SEND_FLAG_REPLY)
 _FORCE = _request_param(UCP_EP_CLOSE_FLAG_FORCE)
+_PLAIN_REF = ctypes.byref(_PLAIN)
+_AM_REPLY_REF = ctypes.byref(_AM_REPLY)
 
 #: Live endpoints by the id their error handler is given.
 _ENDPOINTS: dict[int, RawEndpoint] = {}
@@ -79,33 +81,36 @@ _IDS = itertools.count(1)
 class RawRequest:
     """A libucp send or close request, polled: ``completed``, then ``check_error()`` (ucxx's interface).
 
-    ``keep`` (the buffer being sent) is held until the request completes.
+    ``keep`` (the buffer being sent) is held until the request completes. ``what`` names the operation in
+    the error, followed by ``tag`` in hex when one is given (the text is only made if the request fails).
     """
 
-    __slots__ = ("_keep", "_ptr", "_status", "_what")
+    __slots__ = ("_keep", "_ptr", "_status", "_tag", "_what")
 
-    def __init__(self, ptr: int | None, keep: object, what: str) -> None:
+    def __init__(self, ptr: int | None, keep: object, what: str, tag: int | None = None) -> None:
         self._what = what
-        self._keep: object = keep
-        if ptr_is_err(ptr):
+        self._tag = tag
+        if ptr is None:  # completed at once (most small sends)
             self._ptr: int | None = None
+            self._status = UCS_OK
+            self._keep: object = None
+        elif ptr_is_err(ptr):
+            self._ptr = None
             self._status = ptr_status(ptr)
-        elif ptr_is_ptr(ptr):
+            self._keep = None
+        else:
             self._ptr = ptr
             self._status = UCS_INPROGRESS
-        else:
-            self._ptr = None
-            self._status = UCS_OK
-        if self._status != UCS_INPROGRESS:
-            self._keep = None
+            self._keep = keep
 
     @property
     def completed(self) -> bool:
         """Whether UCX has completed the request (it is then freed)."""
         if self._status == UCS_INPROGRESS and self._ptr is not None:
-            status = int(lib().ucp_request_check_status(self._ptr))
+            ucp = lib()
+            status = int(ucp.ucp_request_check_status(self._ptr))
             if status != UCS_INPROGRESS:
-                lib().ucp_request_free(self._ptr)
+                ucp.ucp_request_free(self._ptr)
                 self._ptr = None
                 self._status = status
                 self._keep = None
@@ -122,7 +127,8 @@ class RawRequest:
     def check_error(self) -> None:
         """Raise TransportError when the request failed."""
         if self._status not in (UCS_OK, UCS_INPROGRESS):
-            raise TransportError(f"{self._what}: {status_string(self._status)}")
+            what = self._what if self._tag is None else f"{self._what} {self._tag:#018x}"
+            raise TransportError(f"{what}: {status_string(self._status)}")
 
 
 def _on_error(arg: int | None, ep: int | None, status: int) -> None:
@@ -157,6 +163,9 @@ class RawEndpoint:
     ) -> None:
         self._id = next(_IDS)
         self._description = description
+        # The beginnings of a failed send's error (RawRequest adds the tag).
+        self._tag_what = f"{description}: sending tagged message"
+        self._am_what = f"{description}: sending an active message"
         self._status = UCS_INPROGRESS
         self._closing = False
         self._error_handling = error_handling
@@ -217,20 +226,33 @@ class RawEndpoint:
         return self._ep
 
     def tag_send(self, array: Any, tag: Any) -> RawRequest:
-        """Send ``array`` (ucxx's ``Array``: ``ptr``, ``nbytes``) tagged ``tag`` (ucxx's ``UCXXTag``)."""
-        what = f"sending tagged message {int(tag.value):#018x}"
-        ep = self._usable(what)
-        ptr = lib().ucp_tag_send_nbx(ep, array.ptr, array.nbytes, int(tag.value), ctypes.byref(_PLAIN))
-        return RawRequest(ptr, array, f"{self._description}: {what}")
+        """Send ``array`` (ucxx's ``Array``: ``ptr``, ``nbytes``) tagged ``tag`` (ucxx's ``UCXXTag``, or an
+        int)."""
+        return self.tag_send_buffer(
+            array.ptr, array.nbytes, tag if type(tag) is int else int(tag.value), array
+        )
+
+    def tag_send_buffer(self, ptr: int | bytes, nbytes: int, tag: int, keep: object) -> RawRequest:
+        """Send ``nbytes`` at ``ptr`` (an address, or a ``bytes`` object) tagged ``tag``; ``keep`` is held
+        until UCX is done with the memory."""
+        ep = self._ep
+        if ep is None or self._closing or self._status != UCS_INPROGRESS:
+            ep = self._usable(f"sending tagged message {tag:#018x}")
+        request = lib().ucp_tag_send_nbx(ep, ptr, nbytes, tag, _PLAIN_REF)
+        return RawRequest(request, keep, self._tag_what, tag)
 
     def am_send(self, array: Any) -> RawRequest:
         """Send ``array`` as an active message (id 0, ucxx's header, reply endpoint asked for)."""
-        what = "sending an active message"
-        ep = self._usable(what)
-        ptr = lib().ucp_am_send_nbx(
-            ep, AM_ID, _HEADER, len(UCXX_AM_HEADER), array.ptr, array.nbytes, ctypes.byref(_AM_REPLY)
-        )
-        return RawRequest(ptr, array, f"{self._description}: {what}")
+        return self.am_send_buffer(array.ptr, array.nbytes, array)
+
+    def am_send_buffer(self, ptr: int | bytes, nbytes: int, keep: object) -> RawRequest:
+        """Send ``nbytes`` at ``ptr`` (an address, or a ``bytes`` object) as an active message (see
+        :meth:`am_send`); ``keep`` is held until UCX is done with the memory."""
+        ep = self._ep
+        if ep is None or self._closing or self._status != UCS_INPROGRESS:
+            ep = self._usable("sending an active message")
+        request = lib().ucp_am_send_nbx(ep, AM_ID, _HEADER, _HEADER_LEN, ptr, nbytes, _AM_REPLY_REF)
+        return RawRequest(request, keep, self._am_what)
 
     def close(self, force: bool | None = None) -> RawRequest | None:
         """Close the endpoint; None if already closed.

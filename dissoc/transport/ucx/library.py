@@ -22,6 +22,10 @@ logger = logging.getLogger(__name__)
 
 _lib_module: ModuleType | None = None
 _contexts: dict[str, Any] = {}
+# ucxx's Array, UCXXTag and UCXXTagMask classes, looked up once (on the per-message path).
+_array_class: Any = None
+_tag_class: Any = None
+_mask_class: Any = None
 
 
 def ucxx_lib() -> ModuleType:
@@ -94,19 +98,29 @@ def ucx_context(kind: str = "default") -> Any:
 
 def ucx_array(obj: BytesLike) -> Any:
     """ucxx's view of a host or device buffer, as its send and receive calls take it (no copy)."""
-    from ucxx._lib.arr import Array
+    global _array_class
+    if _array_class is None:
+        ucxx_lib()
+        from ucxx._lib.arr import Array
 
-    return Array(obj)
+        _array_class = Array
+    return _array_class(obj)
 
 
 def ucx_tag(value: int) -> Any:
     """A UCX tag, as ucxx's tag calls take it."""
-    return ucxx_lib().UCXXTag(value)
+    global _tag_class
+    if _tag_class is None:
+        _tag_class = ucxx_lib().UCXXTag
+    return _tag_class(value)
 
 
 def ucx_mask(value: int) -> Any:
     """A UCX tag mask, as ucxx's tag calls take it."""
-    return ucxx_lib().UCXXTagMask(value)
+    global _mask_class
+    if _mask_class is None:
+        _mask_class = ucxx_lib().UCXXTagMask
+    return _mask_class(value)
 
 
 def endpoint_alive(endpoint: Any) -> bool:
