@@ -65,12 +65,26 @@ PROGRESS = "poll"
 BLOCKING_WAIT_MS = 20
 
 
+#: What importing ucxx put into ``os.environ`` (taken out again, see :func:`_lib`), without the ``UCX_``.
+_UCXX_SETTINGS: dict[str, str] = {}
+
+
 def _lib() -> Any:
+    """ucxx's library. Importing ucxx sets UCX variables in ``os.environ`` (its defaults, e.g.
+    ``UCX_RNDV_THRESH=8192``); they are taken out again and given to the anchor's own contexts instead, so
+    that the dissoc rows of the same run (this process and the servers it starts) see the environment a
+    user's would, not settings that look as if the user had chosen them."""
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    before = dict(os.environ)
     try:
         import ucxx._lib.libucxx as lib
     except ImportError as exc:
         raise anchors.Unavailable(f"ucxx: {exc}") from None
+    finally:
+        for key in [k for k in os.environ if k not in before]:
+            value = os.environ.pop(key)
+            if key.startswith("UCX_"):
+                _UCXX_SETTINGS[key[4:]] = value
     return lib
 
 
@@ -93,7 +107,7 @@ class _Endpoint:
     def __init__(self, mode: str) -> None:
         lib = self.lib = _lib()
         features = (lib.Feature.TAG,) if mode == "poll" else (lib.Feature.TAG, lib.Feature.WAKEUP)
-        self.context = lib.UCXContext({}, features)
+        self.context = lib.UCXContext(dict(_UCXX_SETTINGS), features)
         self.worker = lib.UCXWorker(self.context)
         self.endpoint: Any = None
         self.progress: Callable[[], Any] = self.worker.progress
