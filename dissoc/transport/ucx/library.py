@@ -73,8 +73,8 @@ def ucx_context(kind: str = "default") -> Any:
     doubles large messages' throughput, and where messages up to 64 KiB go eagerly rather than by rendezvous
     (ucxx's 8 KiB threshold cost a round trip per small body: 16 KiB batches moved at about half the rate);
     ``LISTENER_CONFIG``, overridden by ``UCX_RNDV_SCHEME``/``UCX_RNDV_THRESH``. Set for the whole process the
-    rendezvous scheme slowed the same-host path's shared memory, hence a context of their own. (Eager or not is
-    the sender's choice: a peer's messages reach a server the way the peer's own UCX settings send them.)
+    rendezvous scheme slowed the same-host path's shared memory, hence a context of their own. (Eager or not
+    is the sender's choice: a peer's messages reach a server the way the peer's own UCX settings send them.)
     """
     context = _contexts.get(kind)
     if context is None:
