@@ -655,6 +655,13 @@ def test_message_with_body_is_the_two_steps_in_one(inputs: list[tuple[bytes, int
     assert _outcome("release", inputs) == _outcome(False, inputs)
 
 
+def _picky(mv: memoryview) -> bool:
+    """A codec stand-in that refuses the metadata ``X``."""
+    if bytes(mv) == b"X":
+        raise CodecError("not a flatbuffer")
+    return has_body(mv)
+
+
 def test_release_packed_changes_nothing_when_it_declines() -> None:
     c = ClientStream(has_body, window=4)
     assert not c.release_packed(0, b"B0", 1)  # no schema yet: the general path says what is wrong
@@ -666,12 +673,7 @@ def test_release_packed_changes_nothing_when_it_declines() -> None:
     assert c.release_packed(1, b"B1", 1)
     assert (c.next_seq, c.released) == (2, 2)
 
-    def picky(mv: memoryview) -> bool:
-        if bytes(mv) == b"X":
-            raise CodecError("not a flatbuffer")
-        return has_body(mv)
-
-    c2 = ClientStream(picky)
+    c2 = ClientStream(_picky)
     c2.receive_metadata_message(meta(0, b"S"))
     with pytest.raises(CodecError, match="not a flatbuffer"):
         c2.release_packed(1, b"X", 1)
@@ -687,12 +689,7 @@ def test_message_with_body_after_failure_and_from_a_failing_codec() -> None:
     with pytest.raises(ProtocolError, match="already failed"):
         c.receive_message_with_body(meta(1, b"B1"), 1, b"x", 1)
 
-    def picky(mv: memoryview) -> bool:
-        if bytes(mv) == b"X":
-            raise CodecError("not a flatbuffer")
-        return has_body(mv)
-
-    c2 = ClientStream(picky)
+    c2 = ClientStream(_picky)
     c2.receive_metadata_message(meta(0, b"S"))
     with pytest.raises(CodecError, match="not a flatbuffer"):
         c2.receive_message_with_body(meta(1, b"X"), 1, b"x", 1)
