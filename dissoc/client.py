@@ -286,6 +286,13 @@ class _PairTaker(_Taker):
         return session.take_pair(self.conn, untagged, tag, staged)
 
 
+def _copied(staged: memoryview) -> Any:
+    """A payload still in a transport's buffer, copied out into a pooled one (as the transport would)."""
+    body = DEFAULT_POOL.allocate(len(staged))
+    body.data[:] = staged
+    return body
+
+
 #: A batch decoded as its message was released (packed host bodies), with its body's size: what the consumer
 #: is handed in place of the :class:`MessageReady` it would decode itself (a plain tuple: one per batch).
 _Decoded: TypeAlias = "tuple[pa.RecordBatch, int]"
@@ -569,9 +576,7 @@ class _Session:
                     return True
         if not self.take_metadata(conn, buf):
             return False
-        body = DEFAULT_POOL.allocate(nbytes)
-        body.data[:] = staged
-        self.take_body(conn, tag, body, nbytes)
+        self.take_body(conn, tag, _copied(staged), nbytes)
         return True
 
     def _land(self, metadata: bytes, staged: memoryview, nbytes: int) -> None:
@@ -580,13 +585,20 @@ class _Session:
         room = frame_room(len(metadata))
         landing = DEFAULT_POOL.allocate(room + nbytes)
         landing.data[room:] = staged
-        batch = self.decoder.decode_landed(metadata, pa.py_buffer(landing))
-        if batch is not None:  # (None: a dictionary batch, nothing to hand over)
+        self._hand_over(self.decoder.decode_landed(metadata, pa.py_buffer(landing)), nbytes)
+
+    def _hand_over(self, batch: pa.RecordBatch | None, nbytes: int) -> None:
+        """A batch decoded as its message was released without an event goes to the consumer (None: a
+        dictionary batch, nothing to hand over); reading pauses once enough waits, and input that waited for
+        the window goes on, as :meth:`_publish` has it for released events."""
+        if batch is not None:
             self.ready.append((batch, nbytes))
             self._wake()
             self.in_flight += nbytes
             if self.in_flight >= self.options.max_in_flight_bytes:
                 self._update_pause()
+        if (self.stalled_metadata or self.stalled_bodies) and not self._retrying:
+            self._retry_stalled()
 
     def take_staged(self, conn: Connection, tag: int, staged: memoryview) -> bool:
         """A tagged message still in the transport's buffer (see ``on_staged``): the body of the first held
@@ -600,15 +612,11 @@ class _Session:
                 if self.stream.release_packed(tag, metadata, nbytes):
                     held.popleft()
                     self._land(metadata, staged, nbytes)
-                    if (self.stalled_metadata or self.stalled_bodies) and not self._retrying:
-                        self._retry_stalled()  # (as _publish does: the window moved)
                     return True
             except BaseException as exc:  # handed to the consumer, which raises it
                 self._failed(exc)
                 return True
-        body = DEFAULT_POOL.allocate(nbytes)
-        body.data[:] = staged
-        return self.take_body(conn, tag, body, nbytes)
+        return self.take_body(conn, tag, _copied(staged), nbytes)
 
     def take_metadata(self, conn: Connection, buf: Any) -> bool:
         if self.metadata_done:
@@ -709,22 +717,14 @@ class _Session:
             held = self.held
             if held:
                 if tag == held[0][0]:  # a packed body (type 0: the tag is the seq) for the first held
-                    self.in_flight += nbytes
                     buf = held.popleft()[1]
                     if self.express and type(buf) is bytes:
                         # released without an event and decoded at once (see _decode_now)
                         metadata = buf[PREFIX_SIZE:]
                         if self.stream.release_packed(tag, metadata, nbytes):
-                            batch = self.decoder.decode(metadata, payload)
-                            if batch is not None:
-                                self.ready.append((batch, nbytes))
-                                self._wake()
-                            else:  # a dictionary batch: nothing to hand over
-                                self.in_flight -= nbytes
-                            if (self.stalled_metadata or self.stalled_bodies) and not self._retrying:
-                                self._retry_stalled()  # (as _publish does: the window moved)
-                            self._update_pause()
+                            self._hand_over(self.decoder.decode(metadata, payload), nbytes)
                             return True
+                    self.in_flight += nbytes
                     self._publish(self.stream.receive_message_with_body(buf, tag, payload, nbytes))
                     self._update_pause()
                     return True
