@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections import deque
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import numpy as np
@@ -114,24 +115,40 @@ _MAX_SLABS = 16
 _NO_SLAB: U8Array = np.empty(0, dtype=np.uint8)
 
 
+#: Idle checks per allocation of a pooled size class before a fresh array is allocated instead.
+_TRIES = 4
+#: Allocations that skip looking for idle arrays to evict after a look found none.
+_EVICT_BACKOFF = 32
+
+
+def _size_class(need: int) -> int:
+    """``need`` rounded up to its size class: steps of an eighth to a sixteenth of the size, 64 KiB at least,
+    so that slightly different sizes share arrays and at most an eighth is wasted."""
+    step = max(64 << 10, 1 << (need.bit_length() - 4))
+    return -(-need // step) * step
+
+
 class BufferPool:
     """Recycles large aligned receive buffers once nothing references them any more.
 
-    A fresh multi-megabyte buffer costs a page fault per page the first time it is written, which halves the
-    throughput of a socket read into it. The pool keeps the raw arrays behind the buffers it hands out and
-    reuses one when its reference count shows that no view of it is left (every numpy view, memoryview or
-    pyarrow buffer over a handed-out array keeps the raw array alive, so a live buffer is never reused).
-    Buffers smaller than ``min_bytes`` are simply allocated, except those of at most ``slab_max`` bytes:
-    they are carved, aligned, from a shared ``slab_bytes`` slab (a fresh one when it is used up), which
-    costs a slice instead of an allocation per small message. A slab lives as long as any buffer carved from
-    it, so keeping one small batch keeps its slab (``slab_bytes``) in memory. The pool holds at most
-    ``max_bytes`` of raw arrays; :meth:`clear` lets them go.
+    A fresh buffer larger than malloc keeps in its heap costs a page fault per page the first time it is
+    written, and is unmapped again when freed: that costs more than the socket read into it. The pool keeps
+    the raw arrays behind the buffers it hands out, by size class, and reuses one when its reference count
+    shows that no view of it is left (every numpy view, memoryview or pyarrow buffer over a handed-out array
+    keeps the raw array alive, so a live buffer is never reused). Each size class is a queue checked from
+    its oldest array, a few arrays per allocation, so that an allocation costs the same however many
+    buffers the consumer keeps. Buffers smaller than ``min_bytes`` are simply allocated, except those of at
+    most ``slab_max`` bytes: they are carved, aligned, from a shared ``slab_bytes`` slab (a fresh one when
+    it is used up), which costs a slice instead of an allocation per small message. A slab lives as long as
+    any buffer carved from it, so keeping one small batch keeps its slab (``slab_bytes``) in memory. The
+    pool holds at most ``max_bytes`` of raw arrays (idle ones of other sizes are forgotten to make room);
+    :meth:`clear` lets them go.
     """
 
     def __init__(
         self,
         max_bytes: int = 256 << 20,
-        min_bytes: int = 1 << 20,
+        min_bytes: int = 64 << 10,
         alignment: int = ALIGNMENT,
         *,
         slab_max: int = 64 << 10,
@@ -142,8 +159,9 @@ class BufferPool:
         self._max_bytes = max_bytes
         self._min_bytes = min_bytes
         self._alignment = alignment
-        self._raws: list[U8Array] = []
+        self._classes: dict[int, deque[U8Array]] = {}
         self._held = 0
+        self._evict_skip = 0
         self._lock = threading.Lock()
         self._slab_max = slab_max
         self._slab_bytes = slab_bytes
@@ -161,13 +179,9 @@ class BufferPool:
     def clear(self) -> None:
         """Forget every pooled array (arrays still in use stay valid and are freed when released)."""
         with self._lock:
-            self._raws.clear()
+            self._classes.clear()
             self._held = 0
             self._slab_raws.clear()
-
-    def _idle(self, index: int) -> bool:
-        # An idle raw array is referenced by the pool's list and by getrefcount's argument, nothing else.
-        return sys.getrefcount(self._raws[index]) == 2
 
     def _next_slab(self) -> U8Array:
         """A slab to carve from: an idle pooled one, else a new one (pooled while fewer than
@@ -185,6 +199,38 @@ class BufferPool:
         offset = -int(raw.ctypes.data) % self._alignment
         return raw[offset : offset + self._slab_bytes]
 
+    def _reuse(self, queue: deque[U8Array]) -> U8Array | None:
+        """An idle array of ``queue``, moved to its end; None if the first few are all in use. Called with the
+        lock held."""
+        for _ in range(min(_TRIES, len(queue))):
+            raw = queue.popleft()
+            queue.append(raw)
+            # idle: referenced by the queue, this frame and getrefcount's argument only
+            if sys.getrefcount(raw) == 3:
+                return raw
+        return None
+
+    def _make_room(self, size: int) -> None:
+        """Forget idle arrays, largest classes first, until ``size`` more bytes fit the budget (or none is
+        idle). Called with the lock held."""
+        if self._evict_skip > 0:
+            self._evict_skip -= 1
+            return
+        for cls in sorted(self._classes, reverse=True):
+            queue = self._classes[cls]
+            for _ in range(len(queue)):
+                if self._held + size <= self._max_bytes:
+                    return
+                raw = queue.popleft()
+                if sys.getrefcount(raw) == 2:  # idle (``raw`` and the argument): forgotten
+                    self._held -= raw.nbytes
+                else:
+                    queue.append(raw)
+            if not queue:
+                del self._classes[cls]
+        if self._held + size > self._max_bytes:
+            self._evict_skip = _EVICT_BACKOFF
+
     def allocate(self, length: int) -> U8Array:
         """An uninitialised aligned uint8 array of ``length`` bytes; reuses an idle pooled one if it can."""
         alignment = self._alignment
@@ -200,31 +246,18 @@ class BufferPool:
                 return slab[pos:end]
         if length < self._min_bytes:
             return aligned_empty(length, alignment)
-        need = length + alignment
+        size = _size_class(length + alignment)
         with self._lock:
-            raws = self._raws
-            best = -1
-            for index in range(len(raws)):
-                size = raws[index].nbytes
-                fits = need <= size <= 2 * need and (best < 0 or size < raws[best].nbytes)
-                if fits and self._idle(index):
-                    best = index
-            if best >= 0:
-                raw = raws[best]
-            else:
-                # Round up so that slightly different sizes can share, and keep within the budget by
-                # forgetting idle arrays (largest first).
-                size = -(-need // (2 << 20)) * (2 << 20)
-                while self._held + size > self._max_bytes:
-                    idle = [i for i in range(len(raws)) if self._idle(i)]
-                    if not idle:
-                        break
-                    victim = max(idle, key=lambda i: raws[i].nbytes)
-                    self._held -= raws[victim].nbytes
-                    del raws[victim]
+            queue = self._classes.get(size)
+            raw = self._reuse(queue) if queue else None
+            if raw is None:
                 raw = np.empty(size, dtype=np.uint8)
+                if self._held + size > self._max_bytes:
+                    self._make_room(size)
                 if self._held + size <= self._max_bytes:
-                    raws.append(raw)
+                    if queue is None:
+                        queue = self._classes[size] = deque()
+                    queue.append(raw)
                     self._held += size
         offset = -int(raw.ctypes.data) % alignment
         return raw[offset : offset + length]

@@ -257,6 +257,41 @@ async def test_buffer_pool_reuses_only_unreferenced_buffers() -> None:
     assert pool.held_bytes == 0
 
 
+def test_buffer_pool_shares_a_size_class_and_never_hands_a_live_array_out() -> None:
+    pool = BufferPool(max_bytes=64 << 20)
+    first = pool.allocate(800_000)
+    address = first.ctypes.data
+    del first
+    near = pool.allocate(800_001)  # a slightly different size of the same class
+    assert near.ctypes.data == address and near.nbytes == 800_001
+    live = [pool.allocate(800_000) for _ in range(10)]  # the queue is all in use: fresh arrays
+    addresses = {b.ctypes.data for b in [near, *live]}
+    assert len(addresses) == 11  # no two live buffers share memory
+    for b in live:
+        assert b.ctypes.data % ALIGNMENT == 0
+    del live
+    again = [pool.allocate(800_000) for _ in range(10)]  # idle ones come back, the live one never
+    got = {b.ctypes.data for b in again}
+    assert address not in got and len(got) == 10
+    assert len(got & addresses) >= 5  # (a few in-use arrays are checked per allocation, not all)
+    assert pool.held_bytes <= 64 << 20
+
+
+def test_buffer_pool_forgets_idle_arrays_to_stay_within_its_budget() -> None:
+    pool = BufferPool(max_bytes=8 << 20)
+    small = [pool.allocate(1 << 20) for _ in range(6)]  # about 6.1 MiB of raw arrays
+    held = pool.held_bytes
+    assert 6 << 20 < held <= 8 << 20
+    big = pool.allocate(3 << 20)  # does not fit while the small ones are in use: allocated, not pooled
+    assert pool.held_bytes == held
+    del small, big
+    big = pool.allocate(3 << 20)  # the idle small ones make room for it
+    assert pool.held_bytes <= 8 << 20
+    big_address = big.ctypes.data
+    del big
+    assert pool.allocate(3 << 20).ctypes.data == big_address  # and it is pooled now
+
+
 @pytest.mark.parametrize("result", ["short", "readonly", "raises", "resource"])
 async def test_bad_allocator_fails_the_connection(kind: str, result: str) -> None:
     async with make_pair(kind) as (a, b):
