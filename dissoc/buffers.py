@@ -117,8 +117,10 @@ _NO_SLAB: U8Array = np.empty(0, dtype=np.uint8)
 
 #: Idle checks per allocation of a pooled size class before a fresh array is allocated instead.
 _TRIES = 4
-#: Allocations that skip looking for idle arrays to evict after a look found none.
+#: Allocations that skip looking for idle arrays to evict after a look found none, once the pool holds more
+#: than ``_SCAN_FREELY`` arrays (fewer cost little to look through every time).
 _EVICT_BACKOFF = 32
+_SCAN_FREELY = 64
 
 
 def _size_class(need: int) -> int:
@@ -216,6 +218,7 @@ class BufferPool:
         if self._evict_skip > 0:
             self._evict_skip -= 1
             return
+        entries = sum(len(queue) for queue in self._classes.values())
         for cls in sorted(self._classes, reverse=True):
             queue = self._classes[cls]
             for _ in range(len(queue)):
@@ -228,8 +231,8 @@ class BufferPool:
                     queue.append(raw)
             if not queue:
                 del self._classes[cls]
-        if self._held + size > self._max_bytes:
-            self._evict_skip = _EVICT_BACKOFF
+        if self._held + size > self._max_bytes and entries > _SCAN_FREELY:
+            self._evict_skip = _EVICT_BACKOFF  # all in use: the next few do not look again
 
     def allocate(self, length: int) -> U8Array:
         """An uninitialised aligned uint8 array of ``length`` bytes; reuses an idle pooled one if it can."""

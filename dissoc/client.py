@@ -346,6 +346,9 @@ class _Session:
         # sends what is held through the stream, which sorts it out). Once the stream has started.
         self.pairing = False
         self.held: deque[tuple[int, Any]] = deque()
+        # The end-of-stream message, when it came while metadata was held: it goes through the stream once
+        # the held run is done (else the last window's worth of messages would go through the stream alone).
+        self._held_eos: Any = None
         # Packed bodies landing in host memory are decoded as they are released (see _decode_now).
         self.express = options.landing == "host" and data_uri.memory is None
         self.schema_decoded = False  # (by _decode_now, for the consumer's decode to skip)
@@ -612,6 +615,8 @@ class _Session:
                 if self.stream.release_packed(tag, metadata, nbytes):
                     held.popleft()
                     self._land(metadata, staged, nbytes)
+                    if not held and self._held_eos is not None:
+                        self._end_if_due()
                     return True
             except BaseException as exc:  # handed to the consumer, which raises it
                 self._failed(exc)
@@ -630,6 +635,7 @@ class _Session:
             if (
                 seq == (held[-1][0] + 1) & SEQ_MAX
                 and (seq == self.expected_meta or not self.ordered)
+                and self._held_eos is None
                 and not self.stalled_metadata
                 and not self.stalled_bodies
                 and stream.state is ClientState.STREAMING
@@ -639,11 +645,16 @@ class _Session:
                 held.append((seq, buf))
                 return True
         try:
+            if self._held_eos is not None:  # nothing comes after the end of stream: the stream judges it
+                self._flush_held()
             prefix = peek_prefix(buf)
             if prefix is not None and prefix[0] in _ORDERED_TYPES:
                 kind, seq = prefix
                 if self.ordered:
                     self._check_order(kind, seq)
+                if kind == MessageType.END_OF_STREAM and self.held and self._held_eos is None:
+                    self._held_eos = buf
+                    return True
                 if kind == MessageType.METADATA and (self.stalled_metadata or self._ahead(seq)):
                     self.stalled_metadata.append(buf)
                     self._stalled(conn, len(buf))
@@ -679,6 +690,13 @@ class _Session:
         held = self.held
         while held:
             self._metadata(held.popleft()[1])
+        self._end_if_due()
+
+    def _end_if_due(self) -> None:
+        """The held end-of-stream message goes through the stream once no metadata is held or waits."""
+        if self._held_eos is not None and not self.held and not self.stalled_metadata:
+            eos, self._held_eos = self._held_eos, None
+            self._metadata(eos)
 
     def _metadata(self, buf: Any) -> None:
         stream = self.stream
@@ -723,10 +741,12 @@ class _Session:
                         metadata = buf[PREFIX_SIZE:]
                         if self.stream.release_packed(tag, metadata, nbytes):
                             self._hand_over(self.decoder.decode(metadata, payload), nbytes)
+                            self._end_if_due()
                             return True
                     self.in_flight += nbytes
                     self._publish(self.stream.receive_message_with_body(buf, tag, payload, nbytes))
                     self._update_pause()
+                    self._end_if_due()
                     return True
                 self._flush_held()
             self.in_flight += nbytes
@@ -789,6 +809,7 @@ class _Session:
                     else:
                         self.ready.extend(events)
                     progress = True
+            self._end_if_due()
             if self.stream.finished:
                 self.done = True
             self._wake()

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 from e2e_helpers import CLOSE, RawServer, tagged, untagged, vm_rss, within
 
-from dissoc.client import ClientOptions, fetch_async
+from dissoc.client import ClientOptions, fetch_async, stream_batches
 from dissoc.codec import MessageEncoder
 from dissoc.errors import CodecError, DissocError, ProtocolError, RemoteError, ResourceError, TransportError
 from dissoc.protocol import encode_eos, encode_error, encode_metadata_header
@@ -235,6 +235,40 @@ async def test_valid_script_bodies_before_metadata_round_trips() -> None:
     async with RawServer(lambda: script) as raw:
         table = await within(10, fetch_async(raw.uri(), "x", options=ClientOptions(timeout=TIMEOUT)))
     assert table.column("id").to_pylist() == list(range(10, 30))
+
+
+async def test_end_of_stream_while_metadata_waits_for_bodies_round_trips() -> None:
+    """Metadata and the end of stream first, then the bodies (a split server's metadata stream runs ahead):
+    the end of stream waits for the metadata held for its bodies, and every batch comes, in order."""
+    count = 6
+    batches = [_batch(i) for i in range(1, count + 1)]
+
+    def script() -> list[bytes]:
+        return [
+            meta(0, SCHEMA_MD),
+            *(meta(i, md) for i, (md, _) in enumerate(batches, 1)),
+            eos(count + 1),
+            *(tagged(i, body) for i, (_, body) in enumerate(batches, 1)),
+        ]
+
+    async with RawServer(script) as raw:
+        table = await within(10, fetch_async(raw.uri(), "x", options=ClientOptions(timeout=TIMEOUT)))
+    assert table.column("id").to_pylist() == list(range(10, (count + 1) * 10))
+
+
+async def test_metadata_after_a_waiting_end_of_stream_is_refused_before_any_batch() -> None:
+    """A metadata message after the end of stream (at its count) while earlier metadata waits for its body:
+    the ProtocolError names it (not a later symptom of it), and no batch is handed over."""
+    script = [meta(0, SCHEMA_MD), meta(1, MD1), eos(2), meta(2, MD2), tagged(1, BODY1), tagged(2, BODY2)]
+    got: list[int] = []
+    started = time.monotonic()
+    async with RawServer(lambda: script) as raw:
+        with pytest.raises(ProtocolError, match="expected only seqs before the end of stream"):
+            options = ClientOptions(timeout=TIMEOUT)
+            async for batch in stream_batches(raw.uri(), "x", options=options):
+                got.extend(batch.column("id").to_pylist())
+    assert got == []
+    assert time.monotonic() - started < QUICK
 
 
 async def test_random_fuzz_never_escapes_dissoc_error() -> None:
