@@ -75,6 +75,11 @@ KIND_TAGGED = 2
 _HEADER = struct.Struct("<QQQ")
 
 _STAGING_BYTES = 256 * 1024
+# ... on the connections a client opens, which bring the batches: a read brings up to this much, and on
+# loopback each read costs the reader the window update it sends, whatever its size (small batches: about
+# 9.6 us of client CPU a batch with 256 KiB, 6.4-6.9 us with 2 MiB). Servers keep the smaller one: their
+# peers send requests and frees, and every connection a client opens holds its stage.
+_CONNECT_STAGING_BYTES = 2 * 1024 * 1024
 # A payload with at least this much left to read is read straight into its final buffer.
 _DIRECT_READ_MIN = 64 * 1024
 # SO_RCVLOWAT while a large payload is read (see TcpConnection._set_low_water).
@@ -556,20 +561,30 @@ class TcpConnection(Connection):
             or self._allocator is not default_allocator
         ):
             return 0
-        at = rpos + HEADER_SIZE + length
-        if at + HEADER_SIZE > wpos:
-            return 0
-        first, tag, body_length = _HEADER.unpack_from(self._stage, at)
-        end: int = at + HEADER_SIZE + body_length
-        if first != KIND_TAGGED or end > wpos or body_length > self._max_message_bytes:
-            return 0
+        stage = self._stage
         view = self._stage_view
         pair = self._pair_receiver
         assert pair is not None
-        if not pair(bytes(view[rpos + HEADER_SIZE : at]), tag, view[at + HEADER_SIZE : end]):
-            return 0
-        self._frames += 2
-        return end
+        limit = self._max_message_bytes
+        taken = 0
+        # pair after pair while the next frames are another whole pair (the receiver may pause us)
+        while True:
+            at = rpos + HEADER_SIZE + length
+            if at + HEADER_SIZE > wpos:
+                return taken
+            first, tag, body_length = _HEADER.unpack_from(stage, at)
+            end: int = at + HEADER_SIZE + body_length
+            if first != KIND_TAGGED or end > wpos or body_length > limit:
+                return taken
+            if not pair(bytes(view[rpos + HEADER_SIZE : at]), tag, view[at + HEADER_SIZE : end]):
+                return taken
+            self._frames += 2
+            taken = rpos = end
+            if end + HEADER_SIZE > wpos or self._paused_by_owner or self._pair_receiver is not pair:
+                return taken
+            first, tag, length = _HEADER.unpack_from(stage, end)
+            if first != KIND_UNTAGGED or tag != 0 or length > limit:
+                return taken
 
     def _finish_target(self) -> None:
         obj = self._target_obj
@@ -1004,6 +1019,7 @@ async def connect_tcp(
             max_message_bytes=max_message_bytes,
             max_buffered_bytes=max_buffered_bytes,
             allocator=allocator,
+            staging_bytes=_CONNECT_STAGING_BYTES,
         )
     except BaseException:
         sock.close()
