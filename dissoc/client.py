@@ -45,6 +45,7 @@ from dissoc.protocol import (
     BODY_PAIRS,
     PAIRS_HEADER_SIZE,
     PREFIX_SIZE,
+    SEQ_HALF,
     SEQ_MAX,
     SEQ_MODULUS,
     ArenaAnnouncement,
@@ -341,6 +342,7 @@ class _Session:
         self.stalled_bodies: deque[tuple[int, Any, int]] = deque()
         self.stalled_bytes = 0
         self._retrying = False
+        self._retry_at = 0  # (see _metadata_fits)
         # Metadata messages that run in sequence from the next one to release wait here for their bodies, so
         # that each pair goes through the stream in one step (the common case; anything out of sequence
         # sends what is held through the stream, which sorts it out). Once the stream has started.
@@ -505,7 +507,7 @@ class _Session:
             self._wake()
             if self.stream.finished:
                 self.done = True
-            elif (self.stalled_metadata or self.stalled_bodies) and not self._retrying:
+            elif (self.stalled_bodies or self._metadata_fits()) and not self._retrying:
                 self._retry_stalled()
 
     def _decode_now(self, events: list[Any]) -> None:
@@ -600,8 +602,19 @@ class _Session:
             self.in_flight += nbytes
             if self.in_flight >= self.options.max_in_flight_bytes:
                 self._update_pause()
-        if (self.stalled_metadata or self.stalled_bodies) and not self._retrying:
+        if (self.stalled_bodies or self._metadata_fits()) and not self._retrying:
             self._retry_stalled()
+
+    def _metadata_fits(self) -> bool:
+        """Whether enough metadata that waited for the window fits it now to be worth passing on: a quarter of
+        the window beyond the first waiting message (one at a time, each release would take a trip through
+        the stalled path and resume the metadata connection for one message)."""
+        return bool(self.stalled_metadata) and (self.stream.next_seq - self._retry_at) & SEQ_MAX < SEQ_HALF
+
+    def _stall_metadata_from(self, seq: int) -> None:
+        """Metadata message ``seq`` is the first to wait for the window: when to pass it on (see above)."""
+        window = self.options.window
+        self._retry_at = (seq - window + 1 + window // 4) & SEQ_MAX
 
     def take_staged(self, conn: Connection, tag: int, staged: memoryview) -> bool:
         """A tagged message still in the transport's buffer (see ``on_staged``): the body of the first held
@@ -656,6 +669,8 @@ class _Session:
                     self._held_eos = buf
                     return True
                 if kind == MessageType.METADATA and (self.stalled_metadata or self._ahead(seq)):
+                    if not self.stalled_metadata:
+                        self._stall_metadata_from(seq)
                     self.stalled_metadata.append(buf)
                     self._stalled(conn, len(buf))
                     return True
@@ -787,6 +802,7 @@ class _Session:
                     buf = self.stalled_metadata[0]
                     prefix = peek_prefix(buf)
                     if prefix is not None and self._ahead(prefix[1]):
+                        self._stall_metadata_from(prefix[1])
                         break
                     self.stalled_metadata.popleft()
                     self.stalled_bytes -= len(buf)

@@ -130,6 +130,26 @@ async def test_slow_consumer_with_default_options_completes(split: bool) -> None
     assert consumed == 300
 
 
+@pytest.mark.parametrize("window", [1, 2, 8, 64])
+async def test_metadata_running_ahead_of_a_small_window_waits_and_completes(window: int) -> None:
+    """A split server's metadata runs far ahead of its bodies: whatever the client's window, the metadata
+    that waits for it is let through as the window opens (in runs, not one at a time) and every batch comes,
+    in order, without the stream stalling."""
+    whole = pa.table({"id": np.arange(600 * 128, dtype=np.int64)})
+    table = pa.Table.from_batches(whole.to_batches(max_chunksize=128))
+    async with Server({"t": table}, split=True) as server:
+        options = ClientOptions(window=window, timeout=10)
+        ids: list[int] = []
+
+        async def consume() -> None:
+            batch: pa.RecordBatch
+            async for batch in stream_batches(server.uri, "t", data_uri=server.data_uri, options=options):
+                ids.append(batch.column("id")[0].as_py())
+
+        await within(30, consume(), f"the stream with window {window}")
+    assert ids == list(range(0, 600 * 128, 128))
+
+
 # ------------------------------------------------------------------------------------------ 10 GiB stream
 
 SERVER_SCRIPT = textwrap.dedent(
