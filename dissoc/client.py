@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import pyarrow as pa
 
-from dissoc.buffers import DEFAULT_POOL, buffer_nbytes, default_allocator
+from dissoc.buffers import ALIGNMENT, DEFAULT_POOL, buffer_nbytes, default_allocator
 from dissoc.codec import MessageDecoder, frame_room
 from dissoc.connection_pool import own, owned, pool_of
 from dissoc.errors import DissocError, ProtocolError, RemoteError, ResourceError, TransportError
@@ -294,6 +294,10 @@ def _copied(staged: memoryview) -> Any:
     return body
 
 
+#: Bytes of a session's landing slab (see ``_Session._land``).
+_LANDING_SLAB = 1 << 20
+
+
 #: A batch decoded as its message was released (packed host bodies), with its body's size: what the consumer
 #: is handed in place of the :class:`MessageReady` it would decode itself (a plain tuple: one per batch).
 _Decoded: TypeAlias = "tuple[pa.RecordBatch, int]"
@@ -343,6 +347,10 @@ class _Session:
         self.stalled_bytes = 0
         self._retrying = False
         self._retry_at = 0  # (see _metadata_fits)
+        # Where small bodies land (see _land): a slab of this session's, carved in order; each batch keeps
+        # the slab it landed in alive, and the pool hands the slab out again once none does.
+        self._land_pos = _LANDING_SLAB
+        self._land_view = memoryview(b"")
         # Metadata messages that run in sequence from the next one to release wait here for their bodies, so
         # that each pair goes through the stream in one step (the common case; anything out of sequence
         # sends what is held through the stream, which sorts it out). Once the stream has started.
@@ -588,9 +596,22 @@ class _Session:
         """A released message's body, still in the transport's buffer: landed after room for its framing and
         decoded in place (``MessageDecoder.decode_landed``); the batch is handed over."""
         room = frame_room(len(metadata))
-        landing = DEFAULT_POOL.allocate(room + nbytes)
-        landing.data[room:] = staged
-        self._hand_over(self.decoder.decode_landed(metadata, pa.py_buffer(landing)), nbytes)
+        need = room + nbytes
+        pos = self._land_pos
+        if pos + need > _LANDING_SLAB:
+            if need > _LANDING_SLAB // 4:  # a large body: an allocation of its own
+                landing = DEFAULT_POOL.allocate(need)
+                landing.data[room:] = staged
+                self._hand_over(self.decoder.decode_landed(metadata, pa.py_buffer(landing)), nbytes)
+                return
+            slab = DEFAULT_POOL.allocate(_LANDING_SLAB)  # (an idle pooled one, once nothing uses it)
+            self._land_view = slab.data
+            pos = 0
+        end = pos + need
+        view = self._land_view
+        view[pos + room : end] = staged
+        self._land_pos = (end + ALIGNMENT - 1) & -ALIGNMENT
+        self._hand_over(self.decoder.decode_landed(metadata, pa.py_buffer(view[pos:end])), nbytes)
 
     def _hand_over(self, batch: pa.RecordBatch | None, nbytes: int) -> None:
         """A batch decoded as its message was released without an event goes to the consumer (None: a
