@@ -266,6 +266,7 @@ async def test_metadata_after_a_waiting_end_of_stream_is_refused_before_any_batc
         with pytest.raises(ProtocolError, match="expected only seqs before the end of stream"):
             options = ClientOptions(timeout=TIMEOUT)
             async for batch in stream_batches(raw.uri(), "x", options=options):
+                assert isinstance(batch, pa.RecordBatch)
                 got.extend(batch.column("id").to_pylist())
     assert got == []
     assert time.monotonic() - started < QUICK
