@@ -550,19 +550,24 @@ class TcpConnection(Connection):
             self._rpos = rpos
             self._wpos = wpos
 
+    def _plain(self) -> bool:
+        """Whether a staged frame may skip the general path's admission and placement steps: nothing buffered,
+        no receive budget or per-tag limits, not paused, the default allocator."""
+        return not (
+            self._buffered
+            or self._budget is not None
+            or self._tag_limits
+            or self._paused_by_owner
+            or self._allocator is not default_allocator
+        )
+
     def _fast_lane(self, rpos: int, wpos: int) -> int:
         """Whole well-formed frames staged one after another, for a staging receiver: each handed over as the
         general path would (untagged ones delivered, pairs offered, tagged payloads offered in place), without
         its per-frame steps, while nothing is buffered, limited or paused. Returns where it stopped: at the
         first frame that is not whole, is not plainly well formed, or was declined (the general path then
         takes it, checks included)."""
-        if (
-            self._buffered
-            or self._budget is not None
-            or self._tag_limits
-            or self._paused_by_owner
-            or self._allocator is not default_allocator
-        ):
+        if not self._plain():
             return rpos
         stage = self._stage
         view = self._stage_view
@@ -602,13 +607,7 @@ class TcpConnection(Connection):
         metadata message and its small body): offered to the receiver in one call. Returns where the next
         frame starts once it took them, else 0 (they then go one by one). Both are admitted as they would be
         one by one: nothing is buffered and the receiver takes the first before the second is looked at."""
-        if (
-            self._buffered
-            or self._budget is not None
-            or self._tag_limits
-            or self._paused_by_owner
-            or self._allocator is not default_allocator
-        ):
+        if not self._plain():
             return 0
         stage = self._stage
         view = self._stage_view
