@@ -92,6 +92,10 @@ _READ_BUDGET = 16 * 1024 * 1024
 _STAGED_READ_BUDGET = 1024 * 1024
 # sendmsg accepts at most IOV_MAX buffers (1024 on Linux).
 _IOV_MAX = 1024
+# A large frame goes out this much per sendmsg: on loopback 16 and 64 MiB batches moved at 4.7-4.9 GB/s sent
+# whole, 5.2-5.6 in 256 KiB or 1-4 MiB pieces and 5.8-6.3 in 512 KiB pieces (the server's CPU per GB went
+# from 0.18-0.22 s to 0.16), 3.2 in 128 KiB ones.
+_SEND_CHUNK = 512 * 1024
 # A bytes payload up to this size is copied next to its frame header (fewer buffers to send).
 _JOIN_BYTES = 4096
 _U64_MAX = (1 << 64) - 1
@@ -163,6 +167,22 @@ def _configure_socket(sock: socket.socket, sndbuf: int | None, rcvbuf: int | Non
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     if rcvbuf is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+
+
+def _first_chunk(pieces: list[memoryview], first: int) -> list[memoryview]:
+    """The buffers of one sendmsg of a large frame: ``pieces[first:]`` up to ``_SEND_CHUNK`` bytes (the last
+    one cut) and at most ``_IOV_MAX`` of them."""
+    chunk: list[memoryview] = []
+    room = _SEND_CHUNK
+    for i in range(first, min(len(pieces), first + _IOV_MAX)):
+        piece = pieces[i]
+        size = len(piece)
+        if size >= room:
+            chunk.append(piece[:room] if size > room else piece)
+            break
+        chunk.append(piece)
+        room -= size
+    return chunk
 
 
 def _wake(future: asyncio.Future[None]) -> None:
@@ -335,10 +355,13 @@ class TcpConnection(Connection):
         done = 0
         while first < count:
             try:
-                if first == 0 and count <= _IOV_MAX:
-                    sent = sock.sendmsg(pieces)
+                if total - done <= _SEND_CHUNK:
+                    if first == 0 and count <= _IOV_MAX:
+                        sent = sock.sendmsg(pieces)
+                    else:
+                        sent = sock.sendmsg(pieces[first : first + _IOV_MAX])
                 else:
-                    sent = sock.sendmsg(pieces[first : first + _IOV_MAX])
+                    sent = sock.sendmsg(_first_chunk(pieces, first))
             except (BlockingIOError, InterruptedError):
                 try:
                     await self._wait_writable()
