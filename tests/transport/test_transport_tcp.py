@@ -27,7 +27,14 @@ from dissoc.transport import (
     serve,
     serve_tcp,
 )
-from dissoc.transport.tcp import HEADER_SIZE, decode_header, encode_header
+from dissoc.transport.tcp import (
+    _IOV_MAX,
+    _SEND_CHUNK,
+    HEADER_SIZE,
+    _first_chunk,
+    decode_header,
+    encode_header,
+)
 
 from .conftest import raw_peer, tcp_pair
 
@@ -107,6 +114,46 @@ async def test_send_many_wire_format_is_exact() -> None:
                 await conn.send_many([(None, b"first"), (bad, b"x")])
         await conn.send_many([(3, b"after")])  # nothing of a refused call was sent
         assert await read_raw(raw, HEADER_SIZE + 5) == frame(2, 3, b"after")
+
+
+def test_large_frames_are_cut_into_bounded_sends() -> None:
+    """A large frame goes out at most _SEND_CHUNK bytes and _IOV_MAX buffers per sendmsg: sending what
+    _first_chunk picks, again and again, sends every byte once, in order, whatever the pieces' sizes."""
+    rng = np.random.default_rng(3)
+    for sizes in ([5 << 20], [1, _SEND_CHUNK, 7, _SEND_CHUNK - 1, 3 << 20], list(rng.integers(0, 900, 3000))):
+        data = [memoryview(bytes([i % 251]) * int(n)) for i, n in enumerate(sizes)]
+        pieces = list(data)
+        sent: list[bytes] = []
+        first = 0
+        while first < len(pieces):
+            chunk = _first_chunk(pieces, first)
+            assert len(chunk) <= _IOV_MAX and 0 < sum(len(c) for c in chunk) <= _SEND_CHUNK
+            sent += [bytes(c) for c in chunk]
+            taken = sum(len(c) for c in chunk)
+            while taken:  # as _send_all trims what a send took
+                size = len(pieces[first])
+                if taken >= size:
+                    taken -= size
+                    first += 1
+                else:
+                    pieces[first] = pieces[first][taken:]
+                    taken = 0
+            while first < len(pieces) and not len(pieces[first]):
+                first += 1
+        assert b"".join(sent) == b"".join(bytes(d) for d in data)
+
+
+async def test_a_large_frame_of_many_pieces_arrives_whole() -> None:
+    """A frame larger than one send, made of more buffers than one sendmsg takes, crosses a real socket
+    byte for byte."""
+    pieces = [bytes([i % 256]) * (i % 700 + 1) for i in range(2500)]  # about 0.9 MB in 2,500 buffers
+    payload = b"".join(pieces)
+    async with tcp_pair() as (a, b):
+        sending = asyncio.ensure_future(a.send_many([(7, pieces), (None, b"after")]))
+        got = await asyncio.wait_for(b.recv_tagged(7), 10)
+        assert bytes(got.view()) == payload
+        assert bytes(await asyncio.wait_for(b.recv(), 5)) == b"after"
+        await sending
 
 
 async def test_frames_split_at_every_byte_are_reassembled() -> None:
