@@ -95,6 +95,10 @@ log = logging.getLogger(__name__)
 
 #: Metadata-stream messages whose sequence numbers follow the stream's order (errors are numbered after it).
 _ORDERED_TYPES = frozenset({MessageType.END_OF_STREAM, MessageType.METADATA})
+# The members the per-message paths compare with, as globals (an enum member looked up on its class costs a
+# descriptor call each time).
+_METADATA = MessageType.METADATA
+_STREAMING = ClientState.STREAMING
 _SEQ = struct.Struct("<I")  # a metadata message's sequence number, after its type byte
 
 #: Bytes of batches decoded into one burst before it is handed to the consumer (see _stream_one).
@@ -570,7 +574,7 @@ class _Session:
         if (
             self.express
             and len(buf) > PREFIX_SIZE
-            and buf[0] == MessageType.METADATA
+            and buf[0] == _METADATA
             and not self.held
             and not self.stalled_metadata
             and not self.stalled_bodies
@@ -619,11 +623,13 @@ class _Session:
         the window goes on, as :meth:`_publish` has it for released events."""
         if batch is not None:
             self.ready.append((batch, nbytes))
-            self._wake()
+            waiter = self._wakeup  # (what _wake does)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
             self.in_flight += nbytes
             if self.in_flight >= self.options.max_in_flight_bytes:
                 self._update_pause()
-        if (self.stalled_bodies or self._metadata_fits()) and not self._retrying:
+        if (self.stalled_bodies or (self.stalled_metadata and self._metadata_fits())) and not self._retrying:
             self._retry_stalled()
 
     def _metadata_fits(self) -> bool:
@@ -661,7 +667,7 @@ class _Session:
         if self.metadata_done:
             return False
         held = self.held
-        if held and type(buf) is bytes and len(buf) > PREFIX_SIZE and buf[0] == MessageType.METADATA:
+        if held and type(buf) is bytes and len(buf) > PREFIX_SIZE and buf[0] == _METADATA:
             # The common case of a metadata stream running ahead of its bodies: the next in a held run,
             # inside the window (what _check_order, _ahead and _hold would find, in fewer steps).
             seq = _SEQ.unpack_from(buf, 1)[0]
@@ -672,7 +678,7 @@ class _Session:
                 and self._held_eos is None
                 and not self.stalled_metadata
                 and not self.stalled_bodies
-                and stream.state is ClientState.STREAMING
+                and stream.state is _STREAMING
                 and (seq - stream.next_seq) & SEQ_MAX < self.options.window
             ):
                 self.expected_meta = (seq + 1) & SEQ_MAX

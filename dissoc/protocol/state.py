@@ -228,6 +228,9 @@ class ClientState(enum.Enum):
     """An error ended the stream; every further input raises."""
 
 
+_CLIENT_STREAMING = ClientState.STREAMING  # (as _STREAMING above)
+
+
 @dataclass(frozen=True, slots=True)
 class SchemaReceived:
     """The first message (the Schema) was released."""
@@ -467,7 +470,7 @@ class ClientStream:
         :class:`MessageReady` (the caller knows the metadata, the body type and the body). False when the
         message needs the general path (nothing changed then; call :meth:`receive_message_with_body`).
         """
-        if self._state is not ClientState.STREAMING or not metadata:
+        if self._state is not _CLIENT_STREAMING or not metadata:
             return False
         try:
             if not self._has_body(metadata):
