@@ -783,12 +783,14 @@ class _Session:
                         metadata = buf[PREFIX_SIZE:]
                         if self.stream.release_packed(tag, metadata, nbytes):
                             self._hand_over(self.decoder.decode(metadata, payload), nbytes)
-                            self._end_if_due()
+                            if not held and self._held_eos is not None:
+                                self._end_if_due()
                             return True
                     self.in_flight += nbytes
                     self._publish(self.stream.receive_message_with_body(buf, tag, payload, nbytes))
                     self._update_pause()
-                    self._end_if_due()
+                    if not held and self._held_eos is not None:
+                        self._end_if_due()
                     return True
                 self._flush_held()
             self.in_flight += nbytes

@@ -504,16 +504,6 @@ class TcpConnection(Connection):
                     if wpos - rpos < HEADER_SIZE:
                         break
                     first, tag, length = _HEADER.unpack_from(stage, rpos)
-                    if (
-                        self._pair_receiver is not None
-                        and first == KIND_UNTAGGED
-                        and tag == 0
-                        and length <= self._max_message_bytes
-                    ):
-                        taken = self._offer_pair(rpos, wpos, length)
-                        if taken:
-                            rpos = taken
-                            continue
                     if first != KIND_UNTAGGED or tag != 0 or length > self._max_message_bytes:
                         if self._frames == 0:
                             self._check_not_tls(view[rpos : rpos + 2])
@@ -573,24 +563,19 @@ class TcpConnection(Connection):
             self._rpos = rpos
             self._wpos = wpos
 
-    def _plain(self) -> bool:
-        """Whether a staged frame may skip the general path's admission and placement steps: nothing buffered,
-        no receive budget or per-tag limits, not paused, the default allocator."""
-        return not (
-            self._buffered
-            or self._budget is not None
-            or self._tag_limits
-            or self._paused_by_owner
-            or self._allocator is not default_allocator
-        )
-
     def _fast_lane(self, rpos: int, wpos: int) -> int:
         """Whole well-formed frames staged one after another, for a staging receiver: each handed over as the
         general path would (untagged ones delivered, pairs offered, tagged payloads offered in place), without
         its per-frame steps, while nothing is buffered, limited or paused. Returns where it stopped: at the
         first frame that is not whole, is not plainly well formed, or was declined (the general path then
         takes it, checks included)."""
-        if not self._plain():
+        if (
+            self._buffered
+            or self._budget is not None
+            or self._tag_limits
+            or self._paused_by_owner
+            or self._allocator is not default_allocator
+        ):
             return rpos
         stage = self._stage
         view = self._stage_view
@@ -626,36 +611,23 @@ class TcpConnection(Connection):
         return rpos
 
     def _offer_pair(self, rpos: int, wpos: int, length: int) -> int:
-        """An untagged message of ``length`` bytes staged at ``rpos`` and a tagged one staged after it (a
-        metadata message and its small body): offered to the receiver in one call. Returns where the next
-        frame starts once it took them, else 0 (they then go one by one). Both are admitted as they would be
-        one by one: nothing is buffered and the receiver takes the first before the second is looked at."""
-        if not self._plain():
+        """For :meth:`_fast_lane`: an untagged message of ``length`` bytes staged whole at ``rpos`` and a
+        tagged one staged whole after it (a metadata message and its small body), offered to the receiver in
+        one call. Returns where the next frame starts once it took them, else 0 (they then go one by one)."""
+        at = rpos + HEADER_SIZE + length
+        if at + HEADER_SIZE > wpos:
             return 0
-        stage = self._stage
+        first, tag, body_length = _HEADER.unpack_from(self._stage, at)
+        end: int = at + HEADER_SIZE + body_length
+        if first != KIND_TAGGED or end > wpos or body_length > self._max_message_bytes:
+            return 0
         view = self._stage_view
         pair = self._pair_receiver
         assert pair is not None
-        limit = self._max_message_bytes
-        taken = 0
-        # pair after pair while the next frames are another whole pair (the receiver may pause us)
-        while True:
-            at = rpos + HEADER_SIZE + length
-            if at + HEADER_SIZE > wpos:
-                return taken
-            first, tag, body_length = _HEADER.unpack_from(stage, at)
-            end: int = at + HEADER_SIZE + body_length
-            if first != KIND_TAGGED or end > wpos or body_length > limit:
-                return taken
-            if not pair(bytes(view[rpos + HEADER_SIZE : at]), tag, view[at + HEADER_SIZE : end]):
-                return taken
-            self._frames += 2
-            taken = rpos = end
-            if end + HEADER_SIZE > wpos or self._paused_by_owner or self._pair_receiver is not pair:
-                return taken
-            first, tag, length = _HEADER.unpack_from(stage, end)
-            if first != KIND_UNTAGGED or tag != 0 or length > limit:
-                return taken
+        if not pair(bytes(view[rpos + HEADER_SIZE : at]), tag, view[at + HEADER_SIZE : end]):
+            return 0
+        self._frames += 2
+        return end
 
     def _finish_target(self) -> None:
         obj = self._target_obj
