@@ -7,7 +7,8 @@ arrays whose bitmaps start mid-byte, rebased offsets and run-end slices are rewr
 Per message the work is kept to what differs between batches of one schema. The Message flatbuffer comes from
 a per-shape template (:func:`dissoc.codec.message.message_template`) filled with the numbers. The columns
 are walked in one of three ways, chosen per schema: schemas of flat columns (fixed width, boolean, binary,
-null) in one loop that builds nodes, spans and body together; wide batches of plain layouts in bulk through
+null) by straight-line code generated for the schema (:mod:`dissoc.codec.flatcode`; sliced columns and empty
+batches by one loop that builds nodes, spans and body together); wide batches of plain layouts in bulk through
 one C Data export (:mod:`dissoc.codec.bulk`); everything else by a walk driven by per-column plans, which
 hands what it does not know (dictionaries, views, unions, run ends, extensions) to the general visitor.
 """
@@ -26,6 +27,7 @@ import pyarrow as pa
 
 from dissoc.codec import bulk, cdata
 from dissoc.codec.compression import codec_id, compress_buffer
+from dissoc.codec.flatcode import compile_flat
 from dissoc.codec.message import HeaderType, message_template
 from dissoc.codec.schema import DictionaryIds, build_message, encode_schema, map_type
 from dissoc.errors import CodecError
@@ -506,6 +508,10 @@ class MessageEncoder:
             self._flat = [(flat_kinds[p[0]], p[1]) for p in self._plans]
             n_buffers = sum(_FLAT_BUFFERS[k] for k, _ in self._flat)
             self._flat_template = message_template(HeaderType.RecordBatch, len(self._flat), n_buffers)
+            names = {_NULL: "null", _FIXED: "fixed", _BOOL: "bool", _BINARY: "binary"}
+            self._flat_code = compile_flat(
+                [(names[k], w) for k, w in self._flat], self._flat_template, EncodedMessage, _PADS
+            )
         wide = len(schema) >= (BULK_COLUMNS if self._flat is None else BULK_FLAT_COLUMNS)
         self._bulk = bulk.make_plan(self._plans, _KIND_NAMES) if wide and self.compression is None else None
 
@@ -529,7 +535,8 @@ class MessageEncoder:
                 meta = template.fill(flat.body_length, batch.num_rows, flat.nodes, flat.spans)
                 return [EncodedMessage(meta, flat.body, flat.body_length, HeaderType.RecordBatch)]
         if self._flat is not None:
-            return [self._encode_flat(batch, self._flat)]
+            # the code made for this schema, else (a sliced column, no rows) the general one-pass loop
+            return [self._flat_code(batch) or self._encode_flat(batch, self._flat)]
         fl = _Flattener(self.ids)
         walk = fl.walk
         for column, plan in zip(batch.columns, self._plans, strict=True):

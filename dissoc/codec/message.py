@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -309,6 +310,14 @@ class MessageTemplate:
         self._chunks = tuple(chunks)
         self._dictionary = dictionary is not None
         self._plain = dictionary is None and not n_variadic
+
+    def plain_parts(self) -> tuple[Callable[..., bytes], tuple[bytes, ...]]:
+        """For a RecordBatch template without variadic counts: ``pack`` and the five constant ``chunks``,
+        where ``pack(chunks[0], body_length, chunks[1], length, chunks[2], *nodes, chunks[3], *buffers,
+        chunks[4])`` is what :meth:`fill` returns (for callers that write the numbers out themselves)."""
+        if not self._plain:
+            raise ValueError("only a RecordBatch template without variadic counts has plain parts")
+        return self._struct.pack, self._chunks
 
     def fill(
         self,

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dissoc import codec
-from dissoc.codec import bulk, encoder, message
+from dissoc.codec import bulk, encoder, flatcode, message
 
 from . import ipcgen
 from . import strategies as S
@@ -373,3 +373,99 @@ def test_templates_equal_the_direct_layout(compression: int | None, variadic: li
 def test_zero_columns() -> None:
     batch = pa.RecordBatch.from_struct_array(pa.array([{}] * 5, pa.struct([])))
     check_batch(batch)
+
+
+# --------------------------------------------------------------------------------------------------
+# the code generated per flat schema (dissoc.codec.flatcode)
+
+
+def flat_only(schema: pa.Schema) -> codec.MessageEncoder:
+    """An encoder whose schema-specific code must take every batch: the general loop raises."""
+    enc = codec.MessageEncoder(schema)
+    assert enc._flat is not None
+
+    def loop(batch: pa.RecordBatch, plans: Any) -> Any:
+        raise AssertionError("the general one-pass loop took a batch the generated code should take")
+
+    enc._encode_flat = loop  # type: ignore[method-assign]
+    return enc
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 1000])
+@pytest.mark.parametrize("names", [FLAT[:3], FLAT, ["str"], ["null"], ["bool", "null", "lstr"]])
+def test_generated_flat_code_matches_the_loop(names: list[str], n: int) -> None:
+    """Unsliced batches with rows take the generated code, which gives the general loop's bytes."""
+    batch = batch_of(names, n, seed=n)
+    enc = flat_only(batch.schema)
+    loop = codec.MessageEncoder(batch.schema)
+    (got,) = enc.encode(batch)
+    want = loop._encode_flat(batch, loop._flat)  # type: ignore[arg-type]
+    assert bytes(got.metadata) == bytes(want.metadata)
+    assert body_of(got) == body_of(want)
+    assert got.body_length == want.body_length
+    check_batch(batch)
+
+
+def test_generated_flat_code_edge_buffers() -> None:
+    """Validity bitmaps present with no nulls (sent as empty), all-null columns, empty strings only, data
+    buffers longer than needed and offsets starting above 0: each as the general walk sends it."""
+    n = 20
+    no_nulls = pa.Array.from_buffers(
+        pa.int32(), n, [pa.py_buffer(b"\xff" * 3), pa.py_buffer(np.arange(n, dtype=np.int32).tobytes())], 0
+    )
+    all_null = pa.array([None] * n, pa.float64())
+    empty_strings = pa.array([""] * n, pa.string())
+    long_bool = pa.array([True, False] * 50).slice(0, n)
+    shifted = pa.Array.from_buffers(
+        pa.large_binary(),
+        n,
+        [None, pa.py_buffer(np.arange(3, n + 4, dtype=np.int64).tobytes()), pa.py_buffer(bytes(range(64)))],
+    )
+    wide = pa.array([b"abcdefgh" * 2] * n, pa.binary(16))
+    no_bytes = pa.array([b""] * n, pa.binary(0))
+    batch = pa.record_batch(
+        {
+            "a": no_nulls,
+            "b": all_null,
+            "c": empty_strings,
+            "d": long_bool,
+            "e": shifted,
+            "f": wide,
+            "g": no_bytes,
+        }
+    )
+    assert batch.column(3).buffers()[1].size > 3  # the slice kept the longer buffer
+    enc = flat_only(batch.schema)
+    (msg,) = enc.encode(batch)
+    assert nodes_of(msg) == [[n, 0], [n, n], [n, 0], [n, 0], [n, 0], [n, 0], [n, 0]]
+    check_batch(batch, identical=False)
+
+
+def test_generated_flat_code_declines_slices_and_empty_batches() -> None:
+    """A sliced column or a batch without rows goes to the general loop, whose output the tests above check
+    against the general walk."""
+    batch = batch_of(FLAT, 100)
+    enc = codec.MessageEncoder(batch.schema)
+    assert enc._flat_code(batch) is not None
+    assert enc._flat_code(batch.slice(1, 10)) is None
+    assert enc._flat_code(batch.slice(0, 0)) is None
+    mixed = pa.RecordBatch.from_arrays(
+        [c.slice(1, 10) if i == 5 else c.slice(0, 10) for i, c in enumerate(batch.columns)],
+        schema=batch.schema,
+    )
+    assert enc._flat_code(mixed) is None  # one sliced column is enough
+    check_batch(mixed)
+
+
+def test_compile_flat_refuses_what_it_does_not_know() -> None:
+    template = message.message_template(message.HeaderType.RecordBatch, 1, 3)
+    for columns in ([("list", 4)], [("binary", 2)], [("fixed", -1)]):
+        with pytest.raises(ValueError, match="compile_flat"):
+            flatcode.compile_flat(columns, template, lambda *a: a, encoder._PADS)
+    with pytest.raises(ValueError, match="plain parts"):
+        flatcode.compile_flat(
+            [("null", 0)],
+            message.message_template(message.HeaderType.DictionaryBatch, 1, 0),
+            lambda *a: a,
+            encoder._PADS,
+        )
