@@ -34,10 +34,11 @@ from dissoc.codec.ipcread import (
     frame_parts,
     frame_room,
 )
-from dissoc.codec.message import HeaderType, ParsedMessage, RecordBatchHeader, parse
+from dissoc.codec.message import HeaderType, ParsedMessage, RecordBatchHeader, message_template, parse
 from dissoc.codec.plan import (
     SCHEMAS,
     SCHEMAS_LOCK,
+    SUB_READ_MIN_NODES,
     Compiled,
     Prepared,
     build_template,
@@ -308,6 +309,9 @@ class MessageDecoder:
                 if c.ipc_ok and not bool((h.buffers[:, 0] & 7).any()) and distinct_sizes(frame, body_length):
                     prep.frame = frame
                     prep.head = memoryview(frame_head(key)).cast("b")  # as memoryview(pa.Buffer)
+                    if prep.as_binary and c.n_nodes - len(c.sub_nodes) >= SUB_READ_MIN_NODES:
+                        prep.sub = _sub_frame(c, h, body_length, len(key))
+                    prep.rest_checked = c.rest_flat and _rest_in_shape(c, h)
                 remember(cache, key, prep)
         if prep.frame is not None and self.ipc_reader:
             return self._decode_ipc(prep, body)
@@ -382,7 +386,15 @@ class MessageDecoder:
         :attr:`Compiled.str_columns`), which accepts and refuses exactly what string validation does."""
         c = prep.compiled
         try:
-            if prep.as_binary:
+            if prep.sub is not None:
+                # the risky columns alone under binary types: their full checks but UTF-8, which _ascii
+                # makes; the other columns get the cheap validation where their shape does not settle it
+                self._read_sub(prep, body, at).validate(full=True)
+                if not prep.rest_checked:
+                    batch.validate()
+                if not _ascii(prep, body, at):
+                    batch.select(c.str_columns).validate(full=True)
+            elif prep.as_binary:
                 # the same layout under binary types: the same checks but UTF-8, which _ascii makes
                 as_bin = _read_record_batch(message, c.bin_schema)
                 if c.whole_full:
@@ -401,6 +413,30 @@ class MessageDecoder:
             if self.validate and prep.small and c.offset_bounds:
                 address = body.address if isinstance(body, pa.Buffer) else pa.py_buffer(body).address
                 self._check_offset_bounds(c, prep, address + at)
+            raise CodecError(f"RecordBatch: invalid data: {e}") from None
+
+    def _read_sub(self, prep: Prepared, body: object, at: int) -> pa.RecordBatch:
+        """The batch of ``prep.sub``'s message (the risky columns, strings as binary) over ``body``: written
+        into the room of a landed body (``at`` > 0; the batch's own framing there is spent by then), else
+        read through a :class:`FramedSource`."""
+        assert prep.sub is not None
+        frame, head = prep.sub
+        need = prep.body_length
+        try:
+            if at:
+                memoryview(body)[:at] = head  # type: ignore[arg-type]
+                return _read_record_batch(_read_message(body), prep.compiled.sub_schema)
+            piece = body if _size(body) == need else memoryview(body)[:need]  # type: ignore[arg-type]
+            sources = self._sources
+            source = sources.pop() if sources else FramedSource()
+            source.read = {4: frame[0], len(frame[1]): frame[1], need: piece}.get
+            try:
+                message = _read_message(source.file)
+            finally:
+                source.read = _NOTHING
+                sources.append(source)
+            return _read_record_batch(message, prep.compiled.sub_schema)
+        except (TypeError, OSError) as e:  # (pa.ArrowException and ValueError are the caller's)
             raise CodecError(f"RecordBatch: invalid data: {e}") from None
 
     def decode_landed(self, metadata: object, landing: pa.Buffer) -> pa.RecordBatch | None:
@@ -759,6 +795,41 @@ def _ascii(prep: Prepared, body: object, at: int = 0) -> bool:
         return memoryview(body)[a + at : b + at].tobytes().isascii()  # type: ignore[arg-type]
     view = memoryview(body)  # type: ignore[arg-type]
     return b"".join([view[a + at : b + at] for a, b in spans]).isascii()
+
+
+def _size(body: object) -> int:
+    if type(body) is bytes:
+        return len(body)
+    if isinstance(body, pa.Buffer):
+        return int(body.size)
+    return memoryview(body).nbytes  # type: ignore[arg-type]
+
+
+def _sub_frame(
+    c: Compiled, h: RecordBatchHeader, body_length: int, metadata_length: int
+) -> tuple[tuple[bytes, bytes], memoryview] | None:
+    """Prepared.sub for a batch whose metadata is ``metadata_length`` bytes: a RecordBatch message of the
+    risky columns' nodes and buffers (Compiled.sub_nodes, sub_buffers) at their places in the same body.
+    ``None`` where that message would not fit in the batch's own metadata length (a more compact writer)."""
+    if h.variadic_counts is not None or h.compression is not None:
+        return None
+    nodes = h.nodes[c.sub_nodes]
+    buffers = h.buffers[c.sub_buffers]
+    template = message_template(HeaderType.RecordBatch, len(nodes), len(buffers))
+    metadata = template.fill(body_length, int(h.length), nodes, buffers)
+    if len(metadata) > metadata_length:
+        return None
+    metadata += bytes(metadata_length - len(metadata))  # after the flatbuffer: ignored by readers
+    return frame_parts(metadata), memoryview(frame_head(metadata)).cast("b")
+
+
+def _rest_in_shape(c: Compiled, h: RecordBatchHeader) -> bool:
+    """Whether the columns outside Compiled.full_columns are as long as the batch with null counts in range
+    (see Prepared.rest_checked)."""
+    rest = h.nodes[c.rest_nodes]
+    return bool((rest[:, 0] == h.length).all()) and bool(
+        ((rest[:, 1] >= 0) & (rest[:, 1] <= rest[:, 0])).all()
+    )
 
 
 def _as_buffer(body: object) -> pa.Buffer:

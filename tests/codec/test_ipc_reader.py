@@ -455,3 +455,131 @@ def test_a_short_body_after_the_layout_is_cached_is_a_codec_error(kind: str) -> 
     }[kind]
     with pytest.raises(CodecError, match=r"expected \d+ bytes"):
         dec.decode(metadata, carried)
+
+
+def _wide_batch(rows: int = STRING_ROWS) -> pa.RecordBatch:
+    """Strings and lists (checked fully) beside eight fixed-width and boolean columns (checked by shape)."""
+    cols: dict[str, pa.Array] = {
+        "s": pa.array([None if i % 7 == 0 else "xy€" * (i % 3) if i % 11 else "z" for i in range(rows)]),
+        "l": pa.array([list(range(i % 4)) if i % 5 else None for i in range(rows)], pa.list_(pa.int32())),
+        "t": pa.array(["k" * (i % 6) for i in range(rows)], pa.large_string()),
+    }
+    for k in range(8):
+        if k % 3 == 2:
+            cols[f"b{k}"] = pa.array([None if i % 9 == k else i % 2 == 0 for i in range(rows)])
+        else:
+            cols[f"n{k}"] = pa.array([None if i % 13 == k else i * k for i in range(rows)], pa.int64())
+    return pa.record_batch(cols)
+
+
+def test_wide_batches_read_their_risky_columns_alone() -> None:
+    """With enough other columns the string and list columns are read a second time on their own (a message
+    of their nodes over the same body), through decode and decode_landed, and give the batch sent."""
+    batch = _wide_batch()
+    schema_md, md, body = _encode(batch)
+    dec = _decoder(schema_md)
+    for _ in range(2):
+        assert_batch_equal(dec.decode(md, body), batch)
+        assert_batch_equal(dec.decode_landed(md, _land(md, body)), batch)
+        assert_batch_equal(dec.decode(md, pa.py_buffer(body + bytes(16))), batch)  # a longer body
+    prep = dec._prepared[md]
+    assert prep.as_binary and prep.sub is not None and prep.rest_checked
+    frame, head = prep.sub
+    assert len(head) == codec.frame_room(len(md)) and len(frame[1]) == len(head) - 8
+    sub = codec.parse(bytes(head[8:])).batch
+    assert sub is not None and len(sub.nodes) == 4  # s, l and its values, t
+    # too few other columns: the whole batch is read again instead
+    narrow = _strings_batch(STRING_ROWS, lambda i: "ab" * (i % 4))
+    schema_md, md, body = _encode(narrow)
+    dec = _decoder(schema_md)
+    assert_batch_equal(dec.decode(md, body), narrow)
+    assert dec._prepared[md].as_binary and dec._prepared[md].sub is None
+
+
+def test_wide_batches_written_by_pyarrow_decode_either_way() -> None:
+    """pyarrow's metadata leaves defaults out: where the message of the risky columns would not fit in its
+    length, the batch is read again whole; either way the batch comes back."""
+    batch = _wide_batch()
+    message = pa.ipc.read_message(batch.serialize())
+    md, body = message.metadata.to_pybytes(), message.body.to_pybytes()
+    dec = _decoder(bytes(codec.MessageEncoder(batch.schema).schema_message().metadata))
+    for _ in range(2):
+        assert_batch_equal(dec.decode(md, body), batch)
+        assert_batch_equal(dec.decode_landed(md, _land(md, body)), batch)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_damaged_wide_bodies_get_the_same_answer_on_every_path(data: st.DataObject) -> None:
+    batch = _wide_batch()
+    schema_md, md, body = _encode(batch)
+    damaged = bytearray(body)
+    for _ in range(data.draw(st.integers(1, 3), label="words damaged")):
+        at = 4 * data.draw(st.integers(0, len(damaged) // 4 - 1), label="word")
+        value = data.draw(st.sampled_from(HOSTILE) | st.integers(0, 0xFFFFFFFF), label="value")
+        damaged[at : at + 4] = value.to_bytes(4, "little")
+    bad = bytes(damaged)
+    slow = _outcome(lambda: _decoder(schema_md, ipc_reader=False).decode(md, bad))
+    fast = _decoder(schema_md)
+    fast.decode(md, body)
+    assert fast._prepared[md].sub is not None
+    _same(_outcome(lambda: fast.decode(md, bad)), slow, "cached decode")
+    _same(_outcome(lambda: fast.decode_landed(md, _land(md, bad))), slow, "decode_landed")
+
+
+def test_damaged_offsets_of_wide_batches_are_refused() -> None:
+    """Offsets that run backwards or past the data, in a string, large string or list column of a wide batch,
+    are refused by both reads, and invalid UTF-8 by the string check."""
+    batch = _wide_batch()
+    schema_md, md, body = _encode(batch)
+    h = codec.parse(md).batch
+    assert h is not None
+    # IPC buffers: s (validity, offsets, data), l (validity, offsets), l's values (validity, data), t (...)
+    s_offsets, s_data, l_offsets, t_offsets = (int(h.buffers[k, 0]) for k in (1, 2, 4, 8))
+    cases = {
+        "s backwards": (s_offsets + 4 * 100, struct.pack("<i", 0)),
+        "s past the data": (s_offsets + 4 * STRING_ROWS, struct.pack("<i", 1 << 24)),
+        "l backwards": (l_offsets + 4 * 50, struct.pack("<i", 0)),
+        "t past the data": (t_offsets + 8 * STRING_ROWS, struct.pack("<q", 1 << 40)),
+        "s invalid utf-8": (s_data + 3, b"\xff"),
+    }
+    for what, (at, patch) in cases.items():
+        bad = body[:at] + patch + body[at + len(patch) :]
+        for how in ("decode", "landed"):
+            dec = _decoder(schema_md)
+            dec.decode(md, body)
+            with pytest.raises(CodecError):
+                if how == "landed":
+                    dec.decode_landed(md, _land(md, bad))
+                else:
+                    dec.decode(md, bad)
+            assert dec._prepared[md].sub is not None, what
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "struct"])
+def test_wide_batches_with_a_node_shorter_than_its_parent_are_refused(nested: bool) -> None:
+    """The last column's node says fewer rows than the batch (or, for a struct column, its child's node says
+    fewer than the struct): refused, the struct's child by pyarrow's cheap validation, which batches with
+    columns that are not single fixed-width nodes still get."""
+    batch = _wide_batch()
+    if nested:
+        batch = batch.append_column("st", pa.StructArray.from_arrays([batch.column("n0")], ["x"]))
+    schema_md, md, body = _encode(batch)
+    h = codec.parse(md).batch
+    assert h is not None
+    nodes = h.nodes.copy()
+    last = len(nodes) - 1  # the last int64 column, or the struct's child
+    assert nodes[last, 0] == STRING_ROWS
+    nodes[last, 0] = STRING_ROWS - 8
+    nodes[last, 1] = min(int(nodes[last, 1]), STRING_ROWS - 8)
+    template = codec.message.message_template(codec.HeaderType.RecordBatch, len(nodes), len(h.buffers))
+    bad = template.fill(len(body), h.length, nodes, h.buffers)
+    for how in ("decode", "landed"):
+        dec = _decoder(schema_md)
+        with pytest.raises(CodecError):
+            if how == "landed":
+                with contextlib.suppress(CodecError):
+                    dec.decode(bad, body)
+                dec.decode_landed(bad, _land(bad, body))
+            else:
+                dec.decode(bad, body)
