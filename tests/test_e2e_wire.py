@@ -311,6 +311,42 @@ async def test_one_connection_may_send_a_whole_part_beyond_the_window_first(bodi
     assert table.column("id").to_pylist() == list(range(10, (count + 1) * 10))
 
 
+@pytest.mark.parametrize("window", [1, 8, 100])
+async def test_metadata_arriving_in_runs_is_held_only_up_to_the_window(
+    window: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hundreds of metadata messages back to back (taken a run at a time, ``on_untagged_run``) before their
+    bodies: the client holds at most ``window`` of them, the rest wait for the window, and every batch comes
+    in order."""
+    from dissoc import client as client_module
+
+    count = 300
+    batches = [_batch(i) for i in range(1, count + 1)]
+    metas = [meta(i + 1, md) for i, (md, _) in enumerate(batches)]
+    bodies = [tagged(i + 1, body) for i, (_, body) in enumerate(batches)]
+    most = [0]
+    runs = [0]
+    real_run = client_module._Session.take_metadata_run
+
+    def take_metadata_run(self: Any, conn: Any, messages: list[bytes]) -> int:
+        taken = real_run(self, conn, messages)
+        runs[0] += taken > 1
+        most[0] = max(most[0], len(self.held))
+        return taken
+
+    monkeypatch.setattr(client_module._Session, "take_metadata_run", take_metadata_run)
+
+    def script() -> list[bytes]:
+        return [b"".join([meta(0, SCHEMA_MD), *metas]), b"".join(bodies), eos(count + 1)]
+
+    async with RawServer(script) as raw:
+        options = ClientOptions(timeout=TIMEOUT, window=window)
+        table = await within(TIMEOUT + 5, fetch_async(raw.uri(), "x", options=options))
+    assert table.column("id").to_pylist() == list(range(10, (count + 1) * 10))
+    assert most[0] <= window
+    assert runs[0] >= (1 if window > 1 else 0)
+
+
 async def test_a_wake_up_that_hands_over_nothing_is_waited_past() -> None:
     """A wake-up may release only what the consumer is not handed (a dictionary batch, decoded as it is
     released): the consumer waits on for what comes next instead of taking from an empty queue."""

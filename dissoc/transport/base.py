@@ -132,6 +132,11 @@ class StagingReceiver(Receiver, Protocol):
         """One tagged message (``staged`` as for :meth:`on_pair`); False: not taken (it then comes through
         :meth:`on_message`)."""
 
+    def on_untagged_run(self, messages: list[bytes]) -> int:
+        """Several untagged messages that came back to back (a metadata stream running ahead of its bodies),
+        oldest first, in one call. Returns how many it took, from the first on; the others then come one by
+        one, in order, as any message does."""
+
 
 class ReceiveBudget:
     """Bytes being received, or received and not yet claimed, across all the connections that share it (a
@@ -248,6 +253,7 @@ class Connection(abc.ABC):
         self._receiver: Receiver | None = None
         self._pair_receiver: Callable[[bytes, int, memoryview], bool] | None = None
         self._staged_receiver: Callable[[int, memoryview], bool] | None = None
+        self._run_receiver: Callable[[list[bytes]], int] | None = None
         #: The stream this connection carries now (a log stream id, set by the server or client that runs
         #: it; None before the first): the transport's own lines about the connection carry it.
         self.stream_id: str | None = None
@@ -308,6 +314,7 @@ class Connection(abc.ABC):
         self._receiver = receiver
         self._pair_receiver = getattr(receiver, "on_pair", None)
         self._staged_receiver = getattr(receiver, "on_staged", None)
+        self._run_receiver = getattr(receiver, "on_untagged_run", None)
         if receiver is None:
             return
         for _ in range(len(self._untagged)):

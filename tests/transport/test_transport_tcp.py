@@ -26,6 +26,7 @@ from dissoc.transport import (
     registered_schemes,
     serve,
     serve_tcp,
+    tcp,
 )
 from dissoc.transport.tcp import (
     _IOV_MAX,
@@ -594,3 +595,49 @@ async def test_works_over_a_unix_socket_pair() -> None:
     async with a, b:
         await a.send_tagged(3, b"over unix")
         assert bytes((await asyncio.wait_for(b.recv_tagged(3), 5)).view()) == b"over unix"
+
+
+class _RunRecording(_Recording):
+    """A staging receiver that also takes runs of untagged messages, at most ``most`` of each run, and none
+    of every ``decline``-th run offered."""
+
+    def __init__(self, most: int, decline: int) -> None:
+        super().__init__(staging=True, pairs=False)
+        self.most = most
+        self.run_decline = decline
+        self.runs: list[int] = []
+
+    def on_untagged_run(self, messages: list[bytes]) -> int:
+        self.runs.append(len(messages))
+        if self.run_decline and len(self.runs) % self.run_decline == 0:
+            return 0
+        taken = messages[: self.most]
+        self.got += [("run", None, m) for m in taken]
+        return len(taken)
+
+
+@pytest.mark.parametrize(("most", "decline"), [(10**6, 0), (7, 0), (7, 3), (1, 2)])
+async def test_runs_of_untagged_messages_are_offered_at_once_and_in_order(most: int, decline: int) -> None:
+    """Back-to-back untagged messages (a metadata stream running ahead) are offered as runs of at most
+    _RUN_MESSAGES; whatever the receiver leaves of a run comes one by one, and every message arrives once, in
+    order, around the tagged ones."""
+    messages = [(1, 0, b"meta-%d" % i) for i in range(1500)]
+    messages += [(2, 9, b"body"), (1, 0, b"lone"), (2, 10, b"body 2")]
+    messages += [(1, 0, b"late-%d" % i) for i in range(40)]
+    data = b"".join(frame(kind, tag, payload) for kind, tag, payload in messages)
+    expected = [(None if kind == 1 else tag, payload) for kind, tag, payload in messages]
+    receiver = _RunRecording(most, decline)
+    async with raw_peer() as (conn, raw):
+        conn.set_receiver(receiver)
+        raw.sendall(data)
+        for _ in range(500):
+            if len(receiver.got) == len(expected):
+                break
+            await asyncio.sleep(0.01)
+    assert [(tag, payload) for _, tag, payload in receiver.got] == expected
+    assert receiver.runs and max(receiver.runs) <= tcp._RUN_MESSAGES
+    assert min(receiver.runs) >= 2  # a lone message is not a run
+    hows = [how for how, _, _ in receiver.got]
+    # (the first frame, and frames cut by the end of a read, take the general path)
+    # after a declined run, the rest of that pass goes one by one
+    assert hows.count("run") >= (1000 if most > 1 and not decline else 1)
