@@ -200,7 +200,7 @@ def flatten(batch: pa.RecordBatch, plan: BulkPlan) -> Flat | None:
     # array's does, and holds exactly the bytes the message needs.
     views = map(pa.foreign_buffer, pointers.tolist(), sizes.tolist(), repeat(batch, len(sizes)))
     pad = (-sizes) & 7
-    padded_at = np.flatnonzero(pad)
+    padded_at = pad.nonzero()[0]
     if len(padded_at) == 0:
         body: list[Any] = list(views)
     else:
@@ -272,6 +272,6 @@ def _flatten(plan: BulkPlan, root: int) -> _Numbers | None:
     spans = np.empty((len(size), 2), np.int64)
     spans[:, 0] = ends - padded
     spans[:, 1] = size
-    present = np.flatnonzero(size)
+    present = size.nonzero()[0]
     pointers = memory[buffers[node[present]] + plan.buf_slot[present]]
     return fields[:, :2], spans, pointers, size[present], int(ends[-1]) if len(ends) else 0
