@@ -62,11 +62,13 @@ def check_node(
         return
     if lay in (Layout.BINARY, Layout.LARGE_BINARY, Layout.LIST, Layout.LARGE_LIST):
         dtype = "<i8" if lay in (Layout.LARGE_BINARY, Layout.LARGE_LIST) else "<i4"
-        w = np.dtype(dtype).itemsize
-        _need(f"{name}: offsets", sizes[1], (length + 1) * w)
+        w = 8 if dtype == "<i8" else 4
+        if sizes[1] < (length + 1) * w:
+            _need(f"{name}: offsets", sizes[1], (length + 1) * w)
         offs = _at(addrs[1], length + 1, dtype)
         limit = sizes[2] if lay in (Layout.BINARY, Layout.LARGE_BINARY) else child_lengths[0]
-        if offs[0] < 0 or offs[-1] > limit or bool((np.diff(offs) < 0).any()):
+        # (a comparison of the shifted views: half the time of np.diff's subtraction and sign test)
+        if offs[0] < 0 or offs[-1] > limit or bool((offs[1:] < offs[:-1]).any()):
             raise CodecError(
                 f"{name}: offsets must rise monotonically from >= 0 to at most {limit}, got first "
                 f"{int(offs[0])}, last {int(offs[-1])}"
