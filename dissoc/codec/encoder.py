@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,7 @@ BULK_COLUMNS = 48
 BULK_FLAT_COLUMNS = 64
 _ZEROS = bytes(64)
 #: Zero padding by length (index n: n bytes).
-_PADS = [_ZEROS[:n] for n in range(BODY_PADDING)]
+_PADS = tuple(_ZEROS[:n] for n in range(BODY_PADDING))
 _I32 = struct.Struct("<i")
 _I64 = struct.Struct("<q")
 _MINUS_ONE = (-1).to_bytes(8, "little", signed=True)
@@ -66,6 +67,11 @@ class EncodedMessage:
     def body(self) -> bytes:
         """The body joined into one bytes object (copies; for tests and small messages)."""
         return b"".join(bytes(memoryview(b)) for b in self.body_buffers)
+
+
+def _decline(batch: pa.RecordBatch) -> None:
+    """The flat code of a schema without any: every batch goes to the general loop."""
+    return None
 
 
 def _nbytes(buf: Any) -> int:
@@ -508,12 +514,16 @@ class MessageEncoder:
             self._flat = [(flat_kinds[p[0]], p[1]) for p in self._plans]
             n_buffers = sum(_FLAT_BUFFERS[k] for k, _ in self._flat)
             self._flat_template = message_template(HeaderType.RecordBatch, len(self._flat), n_buffers)
+        wide = len(schema) >= (BULK_COLUMNS if self._flat is None else BULK_FLAT_COLUMNS)
+        self._bulk = bulk.make_plan(self._plans, _KIND_NAMES) if wide and self.compression is None else None
+        # Code for the schema, where the bulk walk does not take its batches (wide ones: the code would only
+        # see the sliced batches that the bulk walk leaves, and decline them too).
+        self._flat_code: Callable[[pa.RecordBatch], EncodedMessage | None] = _decline
+        if self._flat is not None and self._bulk is None:
             names = {_NULL: "null", _FIXED: "fixed", _BOOL: "bool", _BINARY: "binary"}
             self._flat_code = compile_flat(
                 [(names[k], w) for k, w in self._flat], self._flat_template, EncodedMessage, _PADS
             )
-        wide = len(schema) >= (BULK_COLUMNS if self._flat is None else BULK_FLAT_COLUMNS)
-        self._bulk = bulk.make_plan(self._plans, _KIND_NAMES) if wide and self.compression is None else None
 
     def schema_message(self) -> EncodedMessage:
         """The Schema message that starts every stream."""

@@ -14,6 +14,7 @@ methods). The source comes only from the column kinds and widths, never from nam
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -112,7 +113,19 @@ def compile_flat(
 ) -> Callable[[Any], Any]:
     """A function ``encode(batch)`` for batches whose columns are ``columns`` ((kind, width) per column, kinds
     from :data:`FLAT_KINDS`): ``make(template.fill(body_length, rows, nodes, spans), body, body_length)`` for
-    a batch with rows and no sliced column, else ``None``. ``pads[k]`` is ``k`` zero bytes."""
+    a batch with rows and no sliced column, else ``None``. ``pads[k]`` is ``k`` zero bytes. Made once per
+    process for each set of arguments (a stream's encoder is made per request; the code of a 60-column
+    schema takes some 5 ms to generate)."""
+    return _compile_flat(tuple(columns), template, make, tuple(pads))
+
+
+@functools.lru_cache(maxsize=256)
+def _compile_flat(
+    columns: tuple[tuple[str, int], ...],
+    template: MessageTemplate,
+    make: Callable[[bytes, list[Any], int], Any],
+    pads: tuple[bytes, ...],
+) -> Callable[[Any], Any]:
     for kind, width in columns:
         if kind not in FLAT_KINDS:
             raise ValueError(f"compile_flat: {kind!r} is not a flat kind")

@@ -379,6 +379,12 @@ def test_zero_columns() -> None:
 # the code generated per flat schema (dissoc.codec.flatcode)
 
 
+@pytest.fixture
+def no_bulk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No batch takes the bulk walk (schemas it takes get no generated code)."""
+    monkeypatch.setattr(encoder, "BULK_FLAT_COLUMNS", 10**9)
+
+
 def flat_only(schema: pa.Schema) -> codec.MessageEncoder:
     """An encoder whose schema-specific code must take every batch: the general loop raises."""
     enc = codec.MessageEncoder(schema)
@@ -393,6 +399,7 @@ def flat_only(schema: pa.Schema) -> codec.MessageEncoder:
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 1000])
 @pytest.mark.parametrize("names", [FLAT[:3], FLAT, ["str"], ["null"], ["bool", "null", "lstr"]])
+@pytest.mark.usefixtures("no_bulk")
 def test_generated_flat_code_matches_the_loop(names: list[str], n: int) -> None:
     """Unsliced batches with rows take the generated code, which gives the general loop's bytes."""
     batch = batch_of(names, n, seed=n)
@@ -406,6 +413,7 @@ def test_generated_flat_code_matches_the_loop(names: list[str], n: int) -> None:
     check_batch(batch)
 
 
+@pytest.mark.usefixtures("no_bulk")
 def test_generated_flat_code_edge_buffers() -> None:
     """Validity bitmaps present with no nulls (sent as empty), all-null columns, empty strings only, data
     buffers longer than needed and offsets starting above 0: each as the general walk sends it."""
@@ -441,6 +449,7 @@ def test_generated_flat_code_edge_buffers() -> None:
     check_batch(batch, identical=False)
 
 
+@pytest.mark.usefixtures("no_bulk")
 def test_generated_flat_code_declines_slices_and_empty_batches() -> None:
     """A sliced column or a batch without rows goes to the general loop, whose output the tests above check
     against the general walk."""
@@ -469,3 +478,17 @@ def test_compile_flat_refuses_what_it_does_not_know() -> None:
             lambda *a: a,
             encoder._PADS,
         )
+
+
+def test_generated_code_only_where_the_bulk_walk_does_not_take_the_schema(bulk_columns: int) -> None:
+    """Wide flat schemas take the bulk walk and get no generated code (it would only see the sliced batches
+    the bulk walk leaves); narrower ones get it, made once per process for one set of column kinds."""
+    wide = codec.MessageEncoder(batch_of(FLAT, 1).schema)
+    assert wide._flat is not None
+    assert (wide._flat_code is encoder._decline) == (wide._bulk is not None)
+    assert (wide._bulk is not None) == (bulk_columns <= len(FLAT))
+    narrow = [codec.MessageEncoder(batch_of(FLAT[:3], 1, seed=k).schema) for k in range(2)]
+    assert narrow[0]._flat_code is not encoder._decline
+    assert narrow[0]._flat_code is narrow[1]._flat_code
+    batch = batch_of(FLAT[:3], 10)
+    assert narrow[1]._flat_code(batch) is not None
