@@ -184,7 +184,8 @@ class Compiled:
         self.sub_schema = pa.schema([self.bin_schema.field(col) for col in self.full_columns])
         # The other columns are single fixed-width or boolean nodes: with their lengths the batch's and their
         # null counts in range, pyarrow's cheap validation checks nothing more (Prepared.rest_checked).
-        rest = [col for col in range(len(plans)) if col not in set(self.full_columns)]
+        full = set(self.full_columns)
+        rest = [col for col in range(len(plans)) if col not in full]
         self.rest_nodes = np.array([starts[col] for col in rest], np.int64)
         self.rest_flat = all(
             starts[col + 1] - starts[col] == 1
