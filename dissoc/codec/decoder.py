@@ -351,22 +351,29 @@ class MessageDecoder:
                     prep.lengths,
                     checked,
                 )
-        sources = self._sources
-        source = sources.pop() if sources else FramedSource()
         frame = prep.frame
         assert frame is not None
+        try:
+            message = self._framed_message(frame, piece, need)
+            batch = _read_record_batch(message, c.schema)
+        except (pa.ArrowException, ValueError, TypeError, OSError):
+            # pyarrow refuses what our checks accepted: our codec decides, on the C Data Interface path
+            return self._ipc_refused(prep, buf if buf is not None else pa.py_buffer(body))
+        return self._finish_ipc(prep, batch, message, piece)
+
+    def _framed_message(self, frame: tuple[bytes, bytes], piece: object, need: int) -> pa.ipc.Message:
+        """pyarrow's Message of the framing pieces ``frame`` and the body ``piece`` (``need`` bytes), read
+        through one of the decoder's :class:`FramedSource` objects (given back once the read succeeded)."""
+        sources = self._sources
+        source = sources.pop() if sources else FramedSource()
         # pyarrow asks for the length, the metadata and the body by size: a dict lookup answers each
         source.read = {4: frame[0], len(frame[1]): frame[1], need: piece}.get
         try:
             message = _read_message(source.file)
+        finally:
             source.read = _NOTHING
-            sources.append(source)
-            batch = _read_record_batch(message, c.schema)
-        except (pa.ArrowException, ValueError, TypeError, OSError):
-            # pyarrow refuses what our checks accepted: our codec decides, on the C Data Interface path
-            source.read = _NOTHING
-            return self._ipc_refused(prep, buf if buf is not None else pa.py_buffer(body))
-        return self._finish_ipc(prep, batch, message, buf if buf is not None else body)
+        sources.append(source)
+        return message
 
     def _ipc_refused(self, prep: Prepared, body: pa.Buffer) -> pa.RecordBatch:
         log.debug("pyarrow's IPC reader refused a checked layout; decoding it through the C Data Interface")
@@ -418,23 +425,15 @@ class MessageDecoder:
     def _read_sub(self, prep: Prepared, body: object, at: int) -> pa.RecordBatch:
         """The batch of ``prep.sub``'s message (the risky columns, strings as binary) over ``body``: written
         into the room of a landed body (``at`` > 0; the batch's own framing there is spent by then), else
-        read through a :class:`FramedSource`."""
+        ``body`` is the message's body, exactly, read through a :class:`FramedSource`."""
         assert prep.sub is not None
         frame, head = prep.sub
-        need = prep.body_length
         try:
             if at:
                 memoryview(body)[:at] = head  # type: ignore[arg-type]
-                return _read_record_batch(_read_message(body), prep.compiled.sub_schema)
-            piece = body if _size(body) == need else memoryview(body)[:need]  # type: ignore[arg-type]
-            sources = self._sources
-            source = sources.pop() if sources else FramedSource()
-            source.read = {4: frame[0], len(frame[1]): frame[1], need: piece}.get
-            try:
-                message = _read_message(source.file)
-            finally:
-                source.read = _NOTHING
-                sources.append(source)
+                message = _read_message(body)
+            else:
+                message = self._framed_message(frame, body, prep.body_length)
             return _read_record_batch(message, prep.compiled.sub_schema)
         except (TypeError, OSError) as e:  # (pa.ArrowException and ValueError are the caller's)
             raise CodecError(f"RecordBatch: invalid data: {e}") from None
@@ -795,14 +794,6 @@ def _ascii(prep: Prepared, body: object, at: int = 0) -> bool:
         return memoryview(body)[a + at : b + at].tobytes().isascii()  # type: ignore[arg-type]
     view = memoryview(body)  # type: ignore[arg-type]
     return b"".join([view[a + at : b + at] for a, b in spans]).isascii()
-
-
-def _size(body: object) -> int:
-    if type(body) is bytes:
-        return len(body)
-    if isinstance(body, pa.Buffer):
-        return int(body.size)
-    return memoryview(body).nbytes  # type: ignore[arg-type]
 
 
 def _sub_frame(

@@ -603,9 +603,9 @@ class TcpConnection(Connection):
                     taken = self._offer_pair(rpos, wpos, length)
                 if not taken and run is not None:
                     taken = self._offer_run(rpos, wpos, run)
-                    if not taken:
+                    if taken < 0:
                         run = None  # declined: the rest of this pass goes one by one
-                if taken:
+                if taken > 0:
                     rpos = taken
                     if self._paused_by_owner or self._buffered:
                         break
@@ -640,8 +640,8 @@ class TcpConnection(Connection):
 
     def _offer_run(self, rpos: int, wpos: int, run: Callable[[list[bytes]], int]) -> int:
         """For :meth:`_fast_lane`: the untagged messages staged whole from ``rpos`` on, back to back (at least
-        two), offered to the receiver in one call. Returns where the frame after the last one it took starts,
-        else 0 (they then go one by one)."""
+        two), offered to the receiver in one call. Returns where the frame after the last one it took starts;
+        0 where there was no run to offer, -1 where the receiver took none (they then go one by one)."""
         stage = self._stage
         view = self._stage_view
         limit = self._max_message_bytes
@@ -657,10 +657,9 @@ class TcpConnection(Connection):
             rpos = end
         if len(messages) < 2:
             return 0
-        taken = run(messages)
+        taken = min(run(messages), len(messages))
         if taken <= 0:
-            return 0
-        taken = min(taken, len(messages))
+            return -1
         self._frames += taken
         return ends[taken - 1]
 
