@@ -307,6 +307,7 @@ def _copied(staged: memoryview) -> Any:
 
 #: Bytes of a session's landing slab (see ``_Session._land``).
 _LANDING_SLAB = 1 << 20
+_NO_SLAB = pa.py_buffer(b"")
 
 
 #: A batch decoded as its message was released (packed host bodies), with its body's size: what the consumer
@@ -362,6 +363,7 @@ class _Session:
         # the slab it landed in alive, and the pool hands the slab out again once none does.
         self._land_pos = _LANDING_SLAB
         self._land_view = memoryview(b"")
+        self._land_slab = _NO_SLAB
         # Metadata messages that run in sequence from the next one to release wait here for their bodies, so
         # that each pair goes through the stream in one step (the common case; anything out of sequence
         # sends what is held through the stream, which sorts it out). Once the stream has started.
@@ -605,24 +607,34 @@ class _Session:
 
     def _land(self, metadata: bytes, staged: memoryview, nbytes: int) -> None:
         """A released message's body, still in the transport's buffer: landed after room for its framing and
-        decoded in place (``MessageDecoder.decode_landed``); the batch is handed over."""
-        room = frame_room(len(metadata))
+        decoded in place (``MessageDecoder.landing`` where the layout leaves nothing in the body to check,
+        else ``decode_landed``); the batch is handed over."""
+        decoder = self.decoder
+        plain = decoder.landing(metadata)
+        room = frame_room(len(metadata)) if plain is None else plain.room
         need = room + nbytes
         pos = self._land_pos
         if pos + need > _LANDING_SLAB:
             if need > _LANDING_SLAB // 4:  # a large body: an allocation of its own
                 landing = DEFAULT_POOL.allocate(need)
                 landing.data[room:] = staged
-                self._hand_over(self.decoder.decode_landed(metadata, pa.py_buffer(landing)), nbytes)
+                self._hand_over(decoder.decode_landed(metadata, pa.py_buffer(landing)), nbytes)
                 return
             slab = DEFAULT_POOL.allocate(_LANDING_SLAB)  # (an idle pooled one, once nothing uses it)
             self._land_view = slab.data
+            self._land_slab = pa.py_buffer(slab)
             pos = 0
         end = pos + need
         view = self._land_view
         view[pos + room : end] = staged
         self._land_pos = (end + ALIGNMENT - 1) & -ALIGNMENT
-        self._hand_over(self.decoder.decode_landed(metadata, pa.py_buffer(view[pos:end])), nbytes)
+        if plain is not None:
+            # nothing to check in the body: the framing before it, and one read of a slice of the slab (whose
+            # batches then hold the slab through pyarrow alone)
+            view[pos : pos + room] = plain.head
+            self._hand_over(plain.read(self._land_slab.slice(pos, need)), nbytes)
+        else:
+            self._hand_over(decoder.decode_landed(metadata, pa.py_buffer(view[pos:end])), nbytes)
 
     def _hand_over(self, batch: pa.RecordBatch | None, nbytes: int) -> None:
         """A batch decoded as its message was released without an event goes to the consumer (None: a

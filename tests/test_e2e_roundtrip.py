@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from e2e_helpers import (
@@ -125,6 +126,37 @@ async def test_batches_arrive_in_sequence_order(split: bool) -> None:
     assert assert_ids_in_order(batches) == 200 * 500
     assert [b.num_rows for b in batches] == [500] * 200
     assert (stats.batches, stats.rows) == (200, 100_000)
+
+
+@pytest.mark.parametrize("split", LAYOUTS)
+async def test_kept_small_batches_outlive_the_slabs_their_neighbours_landed_in(split: bool) -> None:
+    """Small fixed-width batches land side by side in shared slabs, which are handed out again once no batch
+    uses them: a few batches kept from a long stream (the rest dropped as they come) keep their values while
+    later batches land, and the slabs of the dropped ones serve again (memory stays bounded)."""
+    rows, count = 1024, 2000  # 16 KiB a batch: about 60 to a 1 MiB slab
+    ids = pa.array(range(count * rows), pa.int64())
+    table = pa.Table.from_batches(pa.table({"id": ids, "x": pc.negate(ids)}).to_batches(max_chunksize=rows))
+    kept: list[pa.RecordBatch] = []
+    slabs: set[int] = set()
+
+    async def consume() -> int:
+        got = 0
+        async for batch in stream_batches(server.uri, "t", data_uri=server.data_uri):
+            parent = batch.column(0).buffers()[1]
+            slabs.add(parent.address - parent.address % (1 << 20))  # (the 1 MiB-aligned region it lies in)
+            if got % 499 == 0:
+                kept.append(batch)
+            got += 1
+        return got
+
+    async with Server({"t": table}, split=split) as server:
+        assert await within(30, consume(), "stream") == count
+    assert len(kept) == 5
+    for k, batch in zip(range(0, count, 499), kept, strict=True):
+        assert batch.column(0).to_pylist() == list(range(k * rows, (k + 1) * rows))
+        assert batch.column(1).to_pylist() == list(range(-k * rows, -(k + 1) * rows, -1))
+    # 2000 batches fill about 33 slabs, each across one or two 1 MiB regions, if none were handed out again
+    assert len(slabs) < 30
 
 
 @pytest.mark.parametrize("split", LAYOUTS)

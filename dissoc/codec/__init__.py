@@ -6,7 +6,7 @@ transport. Mirrors ``pyarrow.ipc``'s naming.
 
 from __future__ import annotations
 
-from dissoc.codec.decoder import MessageDecoder
+from dissoc.codec.decoder import Landing, MessageDecoder
 from dissoc.codec.encoder import EncodedMessage, MessageEncoder
 from dissoc.codec.ipc import (
     FileReader,
@@ -28,6 +28,7 @@ __all__ = [
     "FileReader",
     "FileWriter",
     "HeaderType",
+    "Landing",
     "MessageDecoder",
     "MessageEncoder",
     "ParsedMessage",

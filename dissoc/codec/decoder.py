@@ -60,7 +60,7 @@ from dissoc.codec.sizes import (
 )
 from dissoc.errors import CodecError
 
-__all__ = ["MessageDecoder", "ParsedMessage", "ScatteredBody", "frame_room", "parse"]
+__all__ = ["Landing", "MessageDecoder", "ParsedMessage", "ScatteredBody", "frame_room", "parse"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,39 @@ class ScatteredBody:
 
 
 _EMPTY_BODY = pa.py_buffer(b"")
+_UNKNOWN = object()
+
+
+class Landing:
+    """How a batch of one metadata message decodes once its body has landed: for layouts that the metadata
+    alone settles (fixed-width columns, sizes checked, nothing in the contents to check), what the room before
+    the body must hold, and one pyarrow read of room and body (see :meth:`MessageDecoder.landing`).
+
+    ``head`` is ``room`` bytes: the encapsulation framing and the metadata. The buffer given to :meth:`read`
+    starts with them, then holds at least ``need - room`` bytes of body. Nothing of it needs to be mutable
+    (unlike :meth:`MessageDecoder.decode_landed`'s landing), so a slice of a larger allocation will do.
+    """
+
+    __slots__ = ("_decoder", "_key", "_prep", "_schema", "head", "need", "room")
+
+    def __init__(self, decoder: MessageDecoder, key: bytes, prep: Prepared) -> None:
+        self.head = bytes(prep.head)
+        self.room = len(self.head)
+        self.need = self.room + prep.body_length
+        self._schema = prep.compiled.schema
+        self._decoder = decoder
+        self._key = key
+        self._prep = prep
+
+    def read(self, framed: pa.Buffer) -> pa.RecordBatch:
+        """The batch over ``framed`` (``head``, then the body), without a copy."""
+        if framed.size < self.need:
+            got = framed.size - self.room
+            raise CodecError(f"message body: expected {self.need - self.room} bytes, got {got}")
+        try:
+            return _read_record_batch(_read_message(framed), self._schema)
+        except (pa.ArrowException, ValueError, TypeError, OSError):
+            return self._decoder._landing_refused(self._key, self._prep, framed.slice(self.room))
 
 
 class MessageDecoder:
@@ -136,6 +169,7 @@ class MessageDecoder:
         self._compiled: Compiled | None = None
         self._dict_compiled: dict[int, Compiled] = {}
         self._prepared: dict[bytes, Prepared] = {}
+        self._landings: dict[bytes, Landing | None] = {}
         self._parsed: dict[bytes, ParsedMessage] = {}
         self.dictionaries: dict[int, pa.Array] = {}
         self._version = 4
@@ -437,6 +471,34 @@ class MessageDecoder:
             return _read_record_batch(message, prep.compiled.sub_schema)
         except (TypeError, OSError) as e:  # (pa.ArrowException and ValueError are the caller's)
             raise CodecError(f"RecordBatch: invalid data: {e}") from None
+
+    def landing(self, metadata: bytes) -> Landing | None:
+        """A :class:`Landing` for batches of ``metadata``: where this decoder has decoded one before and its
+        layout leaves nothing to check in a body (fixed-width columns whose sizes the metadata settles, no
+        content checks), so that a receiver can land each body in a slab of its own and decode it with one
+        read. None otherwise (then :meth:`decode_landed` or :meth:`decode`)."""
+        got = self._landings.get(metadata, _UNKNOWN)
+        if got is not _UNKNOWN:
+            return got  # type: ignore[return-value]
+        prep = self._prepared.get(metadata)
+        if prep is None:
+            return None  # (not known yet: nothing to remember)
+        c = prep.compiled
+        validate = self.validate
+        plain = (
+            self.ipc_reader
+            and prep.frame is not None
+            and prep.shape_checked
+            and not (validate and (c.checked if prep.small else c.checked_all))
+            and not (validate and prep.small and c.full_columns)
+        )
+        found = Landing(self, metadata, prep) if plain else None
+        remember(self._landings, metadata, found)
+        return found
+
+    def _landing_refused(self, key: bytes, prep: Prepared, body: pa.Buffer) -> pa.RecordBatch:
+        self._landings[key] = None  # (prep.frame is None from now on: the C Data Interface path)
+        return self._ipc_refused(prep, body)
 
     def decode_landed(self, metadata: object, landing: pa.Buffer) -> pa.RecordBatch | None:
         """Decode one message whose body was landed after ``frame_room(len(metadata))`` spare bytes.

@@ -295,6 +295,98 @@ def test_what_pyarrow_refuses_falls_back_to_our_decision(monkeypatch: pytest.Mon
     assert_batch_equal(dec.decode(md, body), batch)
 
 
+def _framed_in_slab(landing: codec.Landing, body: bytes, at: int = 128) -> tuple[pa.Buffer, pa.Buffer]:
+    """(the slab, an immutable slice of it) holding ``landing.head`` then ``body``, from byte ``at`` on, with
+    other bytes around them (other bodies' places in a receiver's slab)."""
+    slab = pa.allocate_buffer(at + landing.room + len(body) + 256)
+    view = np.frombuffer(slab, np.uint8)
+    view[:] = 0xCD
+    view[at : at + landing.room] = np.frombuffer(landing.head, np.uint8)
+    view[at + landing.room : at + landing.room + len(body)] = np.frombuffer(body, np.uint8)
+    return slab, slab.slice(at, landing.room + len(body))
+
+
+@pytest.mark.parametrize(
+    "columns",
+    [
+        {"a": pa.array(np.arange(1024)), "b": pa.array(np.arange(1024.0))},
+        {"f": pa.array([None, 1.5, 2.5] * 40), "t": pa.array([True, None, False] * 40)},
+        {"d": pa.array(range(50), pa.date32()), "u": pa.array(range(50), pa.uint8())},
+    ],
+    ids=["int64-double", "nulls-bools", "date-uint8"],
+)
+def test_a_landing_reads_a_slice_of_a_slab_as_decode_landed_would(columns: dict[str, pa.Array]) -> None:
+    batch = pa.record_batch(columns)
+    schema_md, md, body = _encode(batch)
+    dec = _decoder(schema_md)
+    assert dec.landing(md) is None  # not seen yet
+    assert_batch_equal(dec.decode_landed(md, _land(md, body)), batch)
+    landing = dec.landing(md)
+    assert landing is not None and landing is dec.landing(md)
+    assert landing.room == codec.frame_room(len(md)) == len(landing.head)
+    assert landing.need == landing.room + len(body)
+    slab, framed = _framed_in_slab(landing, body)
+    assert not framed.is_mutable
+    got = landing.read(framed)
+    assert_batch_equal(got, batch)
+    _assert_inside(got, framed)
+    del slab, framed  # the batch holds the memory alone
+    assert_batch_equal(got, batch)
+    with pytest.raises(CodecError, match="expected"):
+        landing.read(_framed_in_slab(landing, body[:-8])[1])
+
+
+@pytest.mark.parametrize(
+    ("columns", "validate"),
+    [
+        ({"s": pa.array(["a", "bc"] * 10)}, True),  # contents to check
+        ({"s": pa.array(["a", "bc"] * 10)}, False),  # not fixed width: shape not settled by the metadata
+        ({"st": pa.array([{"x": 1}, None] * 10)}, False),  # children: shapes for pyarrow's validation
+        ({"l": pa.array([[1], [2, 3]] * 10)}, True),
+        ({"v": pa.array(["x" * 20] * 20, pa.string_view())}, True),  # views checked by our numpy checks
+    ],
+    ids=["string", "string-unchecked", "struct", "list", "string-view"],
+)
+def test_no_landing_for_layouts_with_something_to_check(columns: dict[str, pa.Array], validate: bool) -> None:
+    batch = pa.record_batch(columns)
+    schema_md, md, body = _encode(batch)
+    dec = _decoder(schema_md, validate=validate)
+    assert_batch_equal(dec.decode(md, body), batch)
+    assert dec.landing(md) is None
+    assert_batch_equal(dec.decode_landed(md, _land(md, body)), batch)
+
+
+def test_a_landing_for_trusted_contents_too_and_none_off_pyarrows_reader() -> None:
+    batch = pa.record_batch({"t": pa.array(range(20), pa.time32("s")), "x": pa.array(range(20), pa.int16())})
+    schema_md, md, body = _encode(batch)
+    trusting = _decoder(schema_md, validate=False)
+    trusting.decode(md, body)
+    landing = trusting.landing(md)
+    assert landing is not None
+    assert_batch_equal(landing.read(_framed_in_slab(landing, body)[1]), batch)
+    slow = _decoder(schema_md, ipc_reader=False)
+    assert_batch_equal(slow.decode(md, body), batch)
+    assert slow.landing(md) is None
+
+
+def test_what_pyarrow_refuses_through_a_landing_goes_to_our_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    batch = pa.record_batch({"a": pa.array(range(100)), "b": pa.array([0.5, None] * 50)})
+    schema_md, md, body = _encode(batch)
+    dec = _decoder(schema_md)
+    dec.decode(md, body)
+    landing = dec.landing(md)
+    assert landing is not None
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise pa.ArrowInvalid("refused")
+
+    monkeypatch.setattr(decoder_module, "_read_record_batch", refuse)
+    assert_batch_equal(landing.read(_framed_in_slab(landing, body)[1]), batch)
+    assert dec.landing(md) is None  # that layout stays on the C Data Interface path
+    monkeypatch.undo()
+    assert_batch_equal(dec.decode(md, body), batch)
+
+
 HOSTILE = [0, 1, 2, 0x7F, 0xFF, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 1 << 20, ROWS, ROWS + 1]
 
 
