@@ -37,9 +37,16 @@ ENV_PREFIX = "DISSOC_"
 #: The option naming the configuration file (itself only from the flag or the environment).
 CONFIG_KEY = "config"
 #: Variables of dissoc's other parts (``dissoc get``'s token, the device backend, the Spark exchange's host,
-#: the images' health check), never taken for options.
+#: the images' health check, the codec's compiled checks), never taken for options.
 OTHER_VARIABLES = frozenset(
-    {"DISSOC_TOKEN", "DISSOC_CONFIG", "DISSOC_DEVICE_BACKEND", "DISSOC_SPARK_HOST", "DISSOC_HEALTH_URI"}
+    {
+        "DISSOC_TOKEN",
+        "DISSOC_CONFIG",
+        "DISSOC_DEVICE_BACKEND",
+        "DISSOC_SPARK_HOST",
+        "DISSOC_HEALTH_URI",
+        "DISSOC_JIT",
+    }
 )
 
 _TRUE = frozenset({"1", "true", "yes", "on"})

@@ -34,6 +34,7 @@ from dissoc.codec.ipcread import (
     frame_parts,
     frame_room,
 )
+from dissoc.codec.jit import SPAN_FIELDS, binary_check
 from dissoc.codec.message import HeaderType, ParsedMessage, RecordBatchHeader, message_template, parse
 from dissoc.codec.plan import (
     SCHEMAS,
@@ -346,6 +347,8 @@ class MessageDecoder:
                     if prep.as_binary and c.n_nodes - len(c.sub_nodes) >= SUB_READ_MIN_NODES:
                         prep.sub = _sub_frame(c, h, body_length, len(key))
                     prep.rest_checked = c.rest_flat and _rest_in_shape(c, h)
+                    if c.binary_nodes is not None and prep.rest_checked:
+                        prep.spans = _binary_spans(c, h, prep)
                 remember(cache, key, prep)
         if prep.frame is not None and self.ipc_reader:
             return self._decode_ipc(prep, body)
@@ -426,6 +429,11 @@ class MessageDecoder:
         way. Top-level string columns are validated as binary plus an ASCII check of their data (see
         :attr:`Compiled.str_columns`), which accepts and refuses exactly what string validation does."""
         c = prep.compiled
+        spans = prep.spans
+        if spans is not None:
+            check = binary_check()
+            if check is not None and check(np.frombuffer(body, np.uint8), at, spans):  # type: ignore[call-overload]
+                return  # (anything it does not pass takes the route below, which words the error)
         try:
             if prep.sub is not None:
                 # the risky columns alone under binary types: their full checks but UTF-8, which _ascii
@@ -883,6 +891,24 @@ def _rest_in_shape(c: Compiled, h: RecordBatchHeader) -> bool:
     return bool((rest[:, 0] == h.length).all()) and bool(
         ((rest[:, 1] >= 0) & (rest[:, 1] <= rest[:, 0])).all()
     )
+
+
+def _binary_spans(c: Compiled, h: RecordBatchHeader, prep: Prepared) -> npt.NDArray[np.int64] | None:
+    """Prepared.spans: the compiled check's span table of the binary-like columns (Compiled.binary_nodes),
+    where each is as long as the batch with its null count in range (pyarrow's cheap validation of them);
+    None otherwise, or where one has no values (left to pyarrow's validation)."""
+    assert c.binary_nodes is not None
+    rows = []
+    for node, width, utf8 in c.binary_nodes:
+        length, nulls = (int(x) for x in h.nodes[node])
+        if length != h.length or not 0 <= nulls <= length or length == 0:
+            return None
+        k = int(prep.first[node])  # its validity, offsets and data buffers: k, k + 1, k + 2
+        offsets, data, bits = (int(prep.offsets[k + j]) for j in (1, 2, 0))
+        rows.append((offsets, length, data, int(prep.lengths[k + 2]), width, utf8, bits, nulls))
+    spans = np.array(rows, np.int64).reshape(-1, len(SPAN_FIELDS))
+    spans.flags.writeable = False
+    return spans
 
 
 def _as_buffer(body: object) -> pa.Buffer:

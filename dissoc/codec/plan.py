@@ -193,9 +193,29 @@ class Compiled:
             and flat[starts[col]].dict_id < 0
             for col in rest
         )
+        # The full columns as single top-level binary-like nodes (node, offsets' width, values UTF-8), when
+        # that is all they are and the others are rest_flat: what the compiled check of dissoc.codec.jit
+        # takes instead of a second read and pyarrow's full validation (Prepared.spans).
+        binary = [
+            (starts[col], 8 if flat[starts[col]].layout == Layout.LARGE_BINARY else 4, _is_utf8(plans[col]))
+            for col in self.full_columns
+            if starts[col + 1] - starts[col] == 1
+            and flat[starts[col]].layout in (Layout.BINARY, Layout.LARGE_BINARY)
+            and flat[starts[col]].dict_id < 0
+        ]
+        self.binary_nodes = (
+            binary if self.full_columns and len(binary) == len(self.full_columns) and self.rest_flat else None
+        )
         # Large batches check every risky node with numpy instead: pyarrow's full validation also checks
         # UTF-8, which costs more per byte than numpy's offset checks.
         self.checked_all = [i for i, p in enumerate(flat) if p.layout in risky or p.dict_id >= 0]
+
+
+def _is_utf8(plan: FieldPlan) -> bool:
+    ty = plan.field.type
+    while isinstance(ty, pa.BaseExtensionType):
+        ty = ty.storage_type
+    return bool(pa.types.is_string(ty) or pa.types.is_large_string(ty))
 
 
 def exclusive_cumsum(a: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
@@ -275,6 +295,9 @@ class Prepared:
     #: The other columns are single fixed-width nodes as long as the batch with null counts in range
     #: (Compiled.rest_flat): nothing of them is left for pyarrow's cheap validation to check.
     rest_checked: bool = False
+    #: Where every full column is a binary-like node in shape (Compiled.binary_nodes) and rest_checked: the
+    #: span table (dissoc.codec.jit.SPAN_FIELDS) of its compiled check.
+    spans: npt.NDArray[np.int64] | None = None
 
 
 def relative_pointers(
