@@ -29,6 +29,14 @@ cache before anything is timed, then times, in alternating rounds (shuffle, each
              (``num_rows``, ``nbytes``; the key checksum, through ``to_arrow()``, only with ``--check``)
   ========== ===============================================================================================
 
+``--source python`` starts the data in Python instead, as a job whose tasks make their batches themselves
+(a pyarrow or cuDF job, the use the exchange is for) would have it: each of the 2 tasks makes its half of the
+rows as Arrow batches (``k`` from a multiplicative hash of the row id, ``v`` the id, ``x`` half of it), in
+every round, whatever the row. Spark can only shuffle such data as rows, so ``shuffle`` is then
+``src.mapInArrow(make).repartition(2, "k").mapInArrow(consume)`` (the batches handed to Spark, shuffled, and
+handed back), ``input`` is making and consuming them with no exchange, and each dissoc path exchanges them
+where they are made. ``src`` is a 2-row DataFrame, one row per task; nothing is cached.
+
 ``consume`` iterates the batches and yields one row per task: rows, Arrow bytes, the sum of ``k`` (the
 checksum) and the seconds the task spent. Every path's total rows and checksum must equal those of the same
 ``consume`` over the cached DataFrame itself (Spark's shuffle included): a mismatch is printed and the exit
@@ -168,6 +176,28 @@ def _count(batches: Any, *, check: bool = True) -> tuple[int, int, int | None]:
     return rows, nbytes, ksum if summed else None
 
 
+def make_producer(
+    rows: int, keys: int, batch_rows: int
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """``--source python``: the function that turns a task's row of the 2-row source into its part of the
+    data, as Arrow batches made in Python (the same rows every time)."""
+
+    def make(parts: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for part in parts:
+            for p in part.column(0).to_pylist():
+                start, stop = rows * p // PARTITIONS, rows * (p + 1) // PARTITIONS
+                ids = np.arange(start, stop, dtype=np.int64)
+                mixed = ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+                k = ((mixed >> np.uint64(17)) % np.uint64(keys)).astype(np.int64)
+                x = ids * 0.5
+                for at in range(0, len(ids), batch_rows):
+                    end = at + batch_rows
+                    columns = [pa.array(k[at:end]), pa.array(ids[at:end]), pa.array(x[at:end])]
+                    yield pa.record_batch(columns, names=["k", "v", "x"])
+
+    return make
+
+
 def consume(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """Spark's shuffle (and the untimed reference pass): consume the partition's stream as it comes."""
     start = time.perf_counter()
@@ -175,15 +205,34 @@ def consume(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     yield _task_row(rows, nbytes, ksum, exchange_s=time.perf_counter() - start)
 
 
-def exchange_task(
-    kwargs: dict[str, Any], *, device: bool, check: bool, timeout: float
+def make_and_consume(
+    make: Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]],
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The barrier stage's function for one path: read the partition, (upload it,) exchange, consume."""
+    """``--source python``'s ``input`` row (and reference pass): make the task's batches and consume them."""
+
+    def run(parts: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        return consume(make(parts))
+
+    return run
+
+
+def exchange_task(
+    kwargs: dict[str, Any],
+    *,
+    device: bool,
+    check: bool,
+    timeout: float,
+    make: Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]] | None = None,
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """The barrier stage's function for one path: read the partition (or ``make`` it, ``--source python``),
+    (upload it,) exchange, consume."""
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import dissoc.spark
 
         start = time.perf_counter()
+        if make is not None:
+            batches = make(batches)
         # Host paths hand exchange() the stream itself (it splits batches as Spark hands them over);
         # the device path reads them first, to upload them.
         data: Any = list(batches) if device else batches
@@ -446,7 +495,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master", default="local-cluster[2,1,1024]")
     parser.add_argument("--driver-memory", default="2g")
     parser.add_argument("--keys", type=int, default=1 << 24, help="distinct keys (default 16M)")
-    parser.add_argument("--mixed", action="store_true", help="add a string column s")
+    parser.add_argument("--mixed", action="store_true", help="add a string column s (--source dataframe)")
+    parser.add_argument(
+        "--source",
+        choices=("dataframe", "python"),
+        default="dataframe",
+        help="where the data starts: a cached Spark DataFrame (default), or Arrow batches each task makes",
+    )
     parser.add_argument(
         "--batch-rows", type=int, default=10_000, help="spark.sql.execution.arrow.maxRecordsPerBatch (10000)"
     )
@@ -460,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
     if repeat < 1 or args.warmup < 0 or args.keys < 1 or args.batch_rows < 1:
         parser.error("--repeat, --keys and --batch-rows must be >= 1 and --warmup >= 0")
+    if args.mixed and args.source == "python":
+        parser.error("--mixed is for --source dataframe")
     rows = args.rows if args.rows is not None else max(1, int(gib * GiB / bytes_per_row(args.mixed)))
     chosen = NAMES
     if args.only:
@@ -494,16 +551,24 @@ def main(argv: list[str] | None = None) -> int:
     progress(f"# starting Spark on {args.master}")
     spark = spark_session(args)
     try:
-        df = make_frame(spark, rows, args.keys, args.mixed).cache()
         start = time.perf_counter()
-        df.count()
-        columns = list(df.columns)
-        tasks = df.mapInArrow(consume, RESULT_SCHEMA).collect()
+        make = None
+        if args.source == "python":
+            make = make_producer(rows, args.keys, args.batch_rows)
+            df = spark.range(0, PARTITIONS, 1, numPartitions=PARTITIONS)
+            columns = ["k", "v", "x"]
+            tasks = df.mapInArrow(make_and_consume(make), RESULT_SCHEMA).collect()
+        else:
+            df = make_frame(spark, rows, args.keys, args.mixed).cache()
+            df.count()
+            columns = list(df.columns)
+            tasks = df.mapInArrow(consume, RESULT_SCHEMA).collect()
         ref = Reference(
             sum(t.rows for t in tasks), sum(t.bytes for t in tasks), sum(t.ksum or 0 for t in tasks)
         )
         took = time.perf_counter() - start
-        progress(f"# cached {ref.rows:,} rows, {_size(ref.nbytes)} of Arrow data in {took:.1f} s")
+        what = "made in the tasks" if make is not None else "cached"
+        progress(f"# {what}: {ref.rows:,} rows, {_size(ref.nbytes)} of Arrow data, in {took:.1f} s")
         setup = {
             "event": "setup",
             "master": args.master,
@@ -513,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
             "gib_asked": None if args.rows is not None else gib,
             "columns": columns,
             "keys": args.keys,
+            "source": args.source,
             "partitions": PARTITIONS,
             "batch_rows": args.batch_rows,
             "repeat": repeat,
@@ -532,14 +598,15 @@ def main(argv: list[str] | None = None) -> int:
             if path.skipped:
                 continue
             if path.name == SHUFFLE:
-                path.frame = df.repartition(PARTITIONS, "k").mapInArrow(consume, RESULT_SCHEMA)
+                rows_of = df if make is None else df.mapInArrow(make, "k long, v long, x double")
+                path.frame = rows_of.repartition(PARTITIONS, "k").mapInArrow(consume, RESULT_SCHEMA)
                 continue
             if path.name == INPUT:
-                path.frame = df.mapInArrow(consume, RESULT_SCHEMA)
+                path.frame = df.mapInArrow(consume if make is None else make_and_consume(make), RESULT_SCHEMA)
                 continue
             device = path.name == "device-fake"
             assert path.kwargs is not None
-            fn = exchange_task(path.kwargs, device=device, check=args.check, timeout=args.timeout)
+            fn = exchange_task(path.kwargs, device=device, check=args.check, timeout=args.timeout, make=make)
             with worker_env(spark, DEVICE_ENV) if device else contextlib.nullcontext():
                 path.frame = df.mapInArrow(fn, RESULT_SCHEMA, barrier=True)
         copy = numpy_copy(ref.nbytes)
@@ -615,8 +682,9 @@ def main(argv: list[str] | None = None) -> int:
     summaries.append(summarise(ceiling, ref, shuffle, copy_s))
     for s in summaries:
         emit(s)
+    origin = "made in the tasks" if make is not None else "in a cached DataFrame"
     header = (
-        f"\n{ref.rows:,} rows, {_size(ref.nbytes)} of Arrow data ({', '.join(columns)}; k over "
+        f"\n{ref.rows:,} rows, {_size(ref.nbytes)} of Arrow data {origin} ({', '.join(columns)}; k over "
         f"{args.keys:,} keys), {PARTITIONS} partitions of {args.batch_rows:,}-row batches, {args.master}; "
         f"median of {repeat} after {args.warmup} warm-up"
     )

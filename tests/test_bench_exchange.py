@@ -1,6 +1,6 @@
 """``benchmarks/exchange.py`` runs end to end at a tiny size: Spark's shuffle and the tcp exchange path in a
 ``local[2]`` session (a subprocess, so its Spark session is its own), one timed round, with JSON lines whose
-rows and key sums agree."""
+rows and key sums agree; the data in a cached DataFrame, and made by the tasks in Python."""
 
 from __future__ import annotations
 
@@ -30,18 +30,20 @@ SUMMARY_KEYS = {
 }
 
 
-def test_exchange_benchmark_smoke_run() -> None:
+@pytest.mark.parametrize("source", ["dataframe", "python"])
+def test_exchange_benchmark_smoke_run(source: str) -> None:
     argv = [
         sys.executable,
         str(REPO / "benchmarks" / "exchange.py"),
         *("--rows", str(ROWS), "--repeat", "1", "--warmup", "0", "--master", "local[2]"),
-        *("--only", "shuffle,tcp", "--json"),
+        *("--only", "shuffle,tcp", "--json", "--source", source),
     ]
     got = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=170, check=False)
     assert got.returncode == 0, got.stderr[-4000:]
     lines: list[dict[str, Any]] = [json.loads(line) for line in got.stdout.splitlines() if line.strip()]
     setup = next(line for line in lines if line["event"] == "setup")
     assert setup["rows"] == ROWS and setup["bytes"] > 0 and setup["paths"] == ["shuffle", "tcp"]
+    assert setup["source"] == source and setup["columns"] == ["k", "v", "x"]
     runs = {line["path"]: line for line in lines if line["event"] == "run"}
     summaries = {line["path"]: line for line in lines if line["event"] == "summary"}
     assert set(summaries) == {"shuffle", "tcp", "memcpy"}

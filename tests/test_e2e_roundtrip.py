@@ -142,6 +142,7 @@ async def test_kept_small_batches_outlive_the_slabs_their_neighbours_landed_in(s
     async def consume() -> int:
         got = 0
         async for batch in stream_batches(server.uri, "t", data_uri=server.data_uri):
+            assert isinstance(batch, pa.RecordBatch)
             parent = batch.column(0).buffers()[1]
             slabs.add(parent.address - parent.address % (1 << 20))  # (the 1 MiB-aligned region it lies in)
             if got % 499 == 0:
