@@ -117,6 +117,9 @@ def test_the_kernel_decides_as_its_rules_say(check: jit.BinaryCheck, case: Any) 
     assert check(np.frombuffer(bytearray(body), np.uint8), at, table) is expected  # writable too
 
 
+KINDS = ["string", "large_string", "binary"]
+
+
 def _narrow(kind: str, rows: int = 300) -> pa.RecordBatch:
     values = [None if i % 11 == 0 else "v" * (i % 7) for i in range(rows)]
     column = {
@@ -141,7 +144,7 @@ def _reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return count
 
 
-@pytest.mark.parametrize("kind", ["string", "large_string", "binary"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_narrow_batches_are_read_once_with_the_compiled_check(
     check: jit.BinaryCheck, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -174,7 +177,7 @@ def test_non_ascii_utf8_goes_to_pyarrows_route_and_is_accepted(check: jit.Binary
         dec.decode(md, bytes(bad))
 
 
-@pytest.mark.parametrize("kind", ["string", "large_string", "binary"])
+@pytest.mark.parametrize("kind", KINDS)
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_damaged_bodies_get_the_c_data_paths_answer(
@@ -196,7 +199,7 @@ def test_damaged_bodies_get_the_c_data_paths_answer(
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_damaged_metadata_gets_the_c_data_paths_answer(check: jit.BinaryCheck, data: st.DataObject) -> None:
-    kind = data.draw(st.sampled_from(["string", "large_string", "binary"]), label="kind")
+    kind = data.draw(st.sampled_from(KINDS), label="kind")
     batch = _narrow(kind, rows=64)
     schema_md, md, body = _encode(batch)
     damaged = bytearray(md)
