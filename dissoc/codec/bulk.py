@@ -30,6 +30,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from dissoc.codec import cdata
+from dissoc.codec.jit import flatten_walk
 
 __all__ = ["BulkPlan", "Flat", "flatten", "make_plan"]
 
@@ -71,6 +72,13 @@ class BulkPlan:
     # Validity buffers (empty without nulls): buffer indices and their nodes.
     validity: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
     buf_slot: npt.NDArray[np.int64]  # per IPC buffer: its C buffer slot - _WORD
+    #: The same, as the tables of the compiled walk (:func:`dissoc.codec.jit.flatten_walk`): per node
+    #: (parent or -1, slot among its siblings, 1 for the null type, offsets' width or 0), per IPC buffer
+    #: (node, C buffer slot, mul, plus, bits, data, 1 for a validity bitmap), scaled and listed children.
+    node_table: npt.NDArray[np.int64]
+    buf_table: npt.NDArray[np.int64]
+    scaled_table: npt.NDArray[np.int64]
+    listed_table: npt.NDArray[np.int64]
 
 
 def _ints(values: list[int]) -> npt.NDArray[np.int64]:
@@ -160,7 +168,30 @@ def make_plan(columns: list[tuple[int, int, Any, tuple[Any, ...]]], kinds: dict[
         data=buf[:, 5].copy(),
         validity=(va[:, 0].copy(), va[:, 1].copy()),
         buf_slot=buf[:, 1] - _WORD,
+        node_table=_readonly(
+            np.stack(
+                [parent_arr, slot_arr, np.isin(np.arange(len(depth)), nulls), _widths(len(depth), offsets)], 1
+            )
+        ),
+        buf_table=_readonly(
+            np.concatenate([buf, np.isin(np.arange(len(buf)), va[:, 0]).astype(np.int64)[:, None]], 1)
+        ),
+        scaled_table=_readonly(sc),
+        listed_table=_readonly(li),
     )
+
+
+def _widths(n: int, offsets: dict[int, list[int]]) -> npt.NDArray[np.int64]:
+    out = np.zeros(n, np.int64)
+    for width, nodes in offsets.items():
+        out[nodes] = width
+    return out
+
+
+def _readonly(a: npt.NDArray[Any]) -> npt.NDArray[np.int64]:
+    out = np.ascontiguousarray(a, np.int64)
+    out.flags.writeable = False
+    return out
 
 
 _MEMORY32: npt.NDArray[np.int32] = _MEMORY[: _SPAN - _SPAN % 4].view(np.int32)
@@ -186,9 +217,10 @@ def flatten(batch: pa.RecordBatch, plan: BulkPlan) -> Flat | None:
     batch needs the column-by-column walk (sliced arrays, offsets to rebase, unknown null counts)."""
     root = pa.allocate_buffer(cdata.STRUCT_SIZE)
     address = root.address
+    walk = flatten_walk()
     batch._export_to_c(address)
     try:
-        numbers = _flatten(plan, address)
+        numbers = _flatten(plan, address) if walk is None else walk(_MEMORY64, _MEMORY32, address, plan)
     except IndexError:  # an address outside _MEMORY (not seen on any platform): take the column walk
         return None
     finally:

@@ -10,6 +10,7 @@ ordinary arrays the same metadata and body bytes), and pyarrow and our decoder m
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dissoc import codec
-from dissoc.codec import bulk, encoder, flatcode, message
+from dissoc.codec import bulk, encoder, flatcode, jit, message
 
 from . import ipcgen
 from . import strategies as S
@@ -29,10 +30,20 @@ from .util import assert_batch_equal, pa_read_stream
 pytestmark = pytest.mark.timeout(240)
 
 
-@pytest.fixture(autouse=True, params=[8, 10**9], ids=["bulk-from-8", "no-bulk"])
+@pytest.fixture(autouse=True, params=["bulk-from-8", "bulk-from-8-compiled", "no-bulk"])
 def bulk_columns(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
-    """Batches from 8 columns take the bulk walk (as from ``encoder.BULK_COLUMNS`` in use), or none does."""
-    value: int = request.param
+    """Batches from 8 columns take the bulk walk (as from ``encoder.BULK_COLUMNS`` in use), through numpy or
+    compiled by numba (``dissoc.codec.jit.flatten_walk``), or none does."""
+    walk = None
+    if request.param == "bulk-from-8-compiled":
+        pytest.importorskip("numba", reason="the compiled walk needs numba (the jit extra)")
+        if os.environ.get("DISSOC_JIT", "").strip() == "0":
+            pytest.skip("DISSOC_JIT=0 in the environment turns the compiled walk off")
+        jit.compile_now()
+        walk = jit.flatten_walk()
+        assert walk is not None, f"numba is installed but the walk did not compile ({jit.state()})"
+    monkeypatch.setattr(bulk, "flatten_walk", lambda: walk)
+    value = 10**9 if request.param == "no-bulk" else 8
     monkeypatch.setattr(encoder, "BULK_COLUMNS", value)
     monkeypatch.setattr(encoder, "BULK_FLAT_COLUMNS", value)
     return value
