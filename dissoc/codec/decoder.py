@@ -593,6 +593,12 @@ class MessageDecoder:
             raise CodecError(
                 f"RecordBatch: variadicBufferCounts has {len(h.variadic_counts)} entries, the schema no views"
             )
+        if c.nullless_nodes.size and bool(nodes[c.nullless_nodes, 1].any()):
+            bad = int(c.nullless_nodes[np.flatnonzero(nodes[c.nullless_nodes, 1])[0]])
+            raise CodecError(
+                f"RecordBatch: field node {bad} has null count {int(nodes[bad, 1])}, but its layout has no "
+                "validity bitmap (its nulls are its children's)"
+            )
         buffers = h.buffers
         total = int(nbuf.sum()) if c.view_nodes.size else c.total_buffers
         if len(buffers) != total:

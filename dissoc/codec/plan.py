@@ -87,6 +87,9 @@ class Compiled:
             self.nbuf_ipc = self.nbuf_ipc + self.drop_first
         self.view_nodes = np.flatnonzero(layouts == Layout.VIEW)
         self.null_nodes = np.flatnonzero(layouts == Layout.NULL)
+        # Nodes that cannot hold nulls of their own: no validity bitmap (unions, run-end encoded), not the
+        # null type, and not a V4 union (whose validity bitmap came first, as readers of that version knew)
+        self.nullless_nodes = np.flatnonzero(~self.has_validity & (layouts != Layout.NULL) & ~self.drop_first)
         self.dict_nodes = [(i, p.dict_id) for i, p in enumerate(flat) if p.dict_id >= 0]
         # the structs (root first) of the nodes that own an exported dictionary
         self.dict_owners = np.array([i + 1 for i, _ in self.dict_nodes], np.intp)

@@ -430,6 +430,27 @@ def test_damaged_metadata_gets_the_same_answer_on_every_path(data: st.DataObject
         _same(_outcome(lambda: twice.decode_landed(bad, _land(bad, body))), slow, "decode_landed")
 
 
+@pytest.mark.parametrize("kind", ["run_end", "dense_union"])
+def test_nulls_on_a_node_without_a_validity_bitmap_are_refused_on_every_path(kind: str) -> None:
+    """A run-end encoded or union node holds no nulls of its own (its children do): a null count above 0 is
+    refused by every path alike (hypothesis found the C Data path accepting what pyarrow's reader refused)."""
+    batch = pa.record_batch({"c": COLUMNS[kind](), "n": pa.array(range(ROWS))})
+    schema_md, md, body = _encode(batch)
+    node = struct.pack("<qq", ROWS, 0)
+    assert md.count(node) >= 1  # (the first is the column's own node)
+    bad = md.replace(node, struct.pack("<qq", ROWS, 1), 1)
+    for dec in (
+        _decoder(schema_md),
+        _decoder(schema_md, ipc_reader=False),
+        _decoder(schema_md, validate=False),
+    ):
+        with pytest.raises(CodecError, match="no validity bitmap"):
+            dec.decode(bad, body)
+    with pytest.raises(CodecError, match="no validity bitmap"):
+        _decoder(schema_md).decode_landed(bad, _land(bad, body))
+    assert_batch_equal(_decoder(schema_md).decode(md, body), batch)
+
+
 def test_one_decoder_shared_by_threads_gives_each_call_its_own_batch() -> None:
     batches = [pa.record_batch({"a": pa.array(np.full(4096, k, np.int64))}) for k in range(8)]
     encoded = [_encode(b) for b in batches]
