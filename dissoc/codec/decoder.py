@@ -491,15 +491,8 @@ class MessageDecoder:
         prep = self._prepared.get(metadata)
         if prep is None:
             return None  # (not known yet: nothing to remember)
-        c = prep.compiled
-        validate = self.validate
-        plain = (
-            self.ipc_reader
-            and prep.frame is not None
-            and prep.shape_checked
-            and not (validate and (c.checked if prep.small else c.checked_all))
-            and not (validate and prep.small and c.full_columns)
-        )
+        # shape_checked layouts are fixed-width columns only: no content checks, no full validation after
+        plain = self.ipc_reader and prep.frame is not None and prep.shape_checked
         found = Landing(self, metadata, prep) if plain else None
         remember(self._landings, metadata, found)
         return found

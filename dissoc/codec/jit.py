@@ -14,7 +14,7 @@ what pyarrow's full validation of the column checks, with UTF-8 narrowed to ASCI
 of this is not judged here: the caller takes the pyarrow route, which accepts valid non-ASCII UTF-8 and words
 the error for what it refuses.
 
-:func:`flatten_walk` is ``dissoc.codec.bulk``'s numpy walk of an exported wide batch (some 40 numpy calls,
+``dissoc.codec.bulk.flatten_walk`` is that module's numpy walk of an exported wide batch (some 40 numpy calls,
 about 30 µs for 100 columns) as two loops (about 2 µs), giving the same numbers.
 
 Each is compiled once per process, on a thread of its own, started by the first call that asks for it
@@ -34,15 +34,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = [
-    "SPAN_FIELDS",
-    "BinaryCheck",
-    "FlattenWalk",
-    "binary_check",
-    "compile_now",
-    "flatten_walk",
-    "state",
-]
+__all__ = ["KERNELS", "SPAN_FIELDS", "BinaryCheck", "Kernel", "binary_check", "compile_now", "state"]
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +48,13 @@ SPAN_FIELDS = ("offsets_at", "values", "data_at", "data_length", "width", "utf8"
 #: body's buffers lying in ``body_bytes`` from byte ``at`` on.
 BinaryCheck = Callable[[npt.NDArray[np.uint8], int, npt.NDArray[np.int64]], bool]
 
-#: ``walk(memory64, memory32, root, plan)``: what ``dissoc.codec.bulk._flatten`` returns for the batch
-#: exported at ``root`` (nodes, spans, buffer pointers and sizes, body length), or None where it is not a
-#: common case.
-FlattenWalk = Callable[[Any, Any, int, Any], Any]
+#: Every :class:`Kernel` made (the check here, the walk of ``dissoc.codec.bulk``).
+KERNELS: list[Kernel] = []
 
 
-class _Kernel:
-    """One compiled function, made once per process on a thread of its own when first asked for."""
+class Kernel:
+    """One compiled function, made once per process on a thread of its own when first asked for (``get``:
+    None until then); ``build(numba, numba.types)`` makes it. Every kernel is listed in :data:`KERNELS`."""
 
     def __init__(self, what: str, build: Callable[[Any, Any], Any]) -> None:
         self.what = what
@@ -72,6 +63,7 @@ class _Kernel:
         self.done = threading.Event()
         self.value: Any = None
         self.state = "idle"  # idle, compiling, ready, unavailable
+        KERNELS.append(self)
 
     def get(self) -> Any:
         value = self.value
@@ -122,23 +114,7 @@ def _build_check(numba: Any, types: Any) -> BinaryCheck:
     return _checked_call(numba.njit(signatures, nogil=True, cache=False, boundscheck=False)(_spans_pass))
 
 
-def _build_walk(numba: Any, types: Any) -> FlattenWalk:
-    table = types.Array(types.int64, 2, "C", readonly=True)
-    result = types.Tuple(
-        (types.int64, types.int64, types.int64)
-        + (types.Array(types.int64, 2, "C"),) * 2
-        + (types.Array(types.int64, 1, "C"),) * 2
-    )
-    memory = (
-        types.Array(types.int64, 1, "C", readonly=True),
-        types.Array(types.int32, 1, "C", readonly=True),
-    )
-    signature = result(*memory, types.int64, table, table, table, table)
-    return _walk_call(numba.njit([signature], nogil=True, cache=False, boundscheck=False)(_walk_pass))
-
-
-_CHECK = _Kernel("check of binary columns", _build_check)
-_WALK = _Kernel("walk of wide batches", _build_walk)
+_CHECK = Kernel("check of binary columns", _build_check)
 
 
 def state() -> str:
@@ -153,17 +129,10 @@ def binary_check() -> BinaryCheck | None:
     return check
 
 
-def flatten_walk() -> FlattenWalk | None:
-    """The compiled walk of a wide batch's C Data export (see ``dissoc.codec.bulk``), or None while it is not
-    ready (the first call starts compiling it)."""
-    walk: FlattenWalk | None = _WALK.get()
-    return walk
-
-
 def compile_now(timeout: float = 120.0) -> BinaryCheck | None:
-    """Compile the check and the walk if they are not yet, waiting for them (tests and benchmarks); returns
-    the check (None without numba)."""
-    for kernel in (_CHECK, _WALK):
+    """Compile every kernel not compiled yet, waiting for them (tests and benchmarks); returns the check (None
+    without numba)."""
+    for kernel in KERNELS:
         kernel.start(wait=True)
         kernel.done.wait(timeout)
     return binary_check()
@@ -177,101 +146,6 @@ def _checked_call(compiled: Any) -> BinaryCheck:
             return False
 
     return check
-
-
-def _walk_call(walk: Any) -> FlattenWalk:
-    def call(memory64: Any, memory32: Any, root: int, plan: Any) -> Any:
-        try:
-            status, body_length, count, fields, spans, pointers, sizes = walk(
-                memory64,
-                memory32,
-                root,
-                plan.node_table,
-                plan.buf_table,
-                plan.scaled_table,
-                plan.listed_table,
-            )
-        except TypeError:  # arguments of types not compiled for (not expected): the column walk takes it
-            return None
-        if status:
-            return None
-        return fields, spans, pointers[:count], sizes[:count], body_length
-
-    return call
-
-
-#: The exported struct's fields, in int64 words: length, null count, offset, buffers, children.
-_LENGTH, _NULLS, _OFFSET, _BUFFERS, _CHILDREN = 0, 1, 2, 5, 6
-#: Addresses are read as word (or half-word) indices of memory views that start at this address.
-_BASE = 4096
-
-
-def _walk_pass(  # pragma: no cover (compiled by numba)
-    memory64: Any, memory32: Any, root: int, nodes: Any, bufs: Any, scaled: Any, listed: Any
-) -> Any:
-    """``dissoc.codec.bulk._flatten`` as one loop over the nodes (parents come before their children), then
-    one over the IPC buffers; status 1 where the batch is not a common case (sliced, unknown null counts,
-    unaligned offsets, children not covering their parents)."""
-    word = _BASE >> 3
-    n = nodes.shape[0]
-    nb = bufs.shape[0]
-    fields = np.empty((n, 2), np.int64)
-    spans = np.empty((nb, 2), np.int64)
-    pointers = np.empty(nb, np.int64)
-    sizes = np.empty(nb, np.int64)
-    words = np.empty(n, np.int64)
-    buffers = np.empty(n, np.int64)
-    last = np.zeros(n, np.int64)
-    top = memory64[(root >> 3) - word + _CHILDREN]
-    for i in range(n):
-        parent = nodes[i, 0]
-        array = top if parent < 0 else memory64[words[parent] - word + _CHILDREN]
-        at = memory64[(array >> 3) - word + nodes[i, 1]] >> 3
-        words[i] = at
-        length = memory64[at - word + _LENGTH]
-        nulls = memory64[at - word + _NULLS]
-        if memory64[at - word + _OFFSET] != 0 or nulls < 0:
-            return 1, 0, 0, fields, spans, pointers, sizes
-        if nodes[i, 2]:
-            nulls = length
-        fields[i, 0] = length
-        fields[i, 1] = nulls
-        buffers[i] = memory64[at - word + _BUFFERS] >> 3
-        width = nodes[i, 3]
-        if width:
-            start = memory64[buffers[i] - word + 1]  # C buffer 1: the offsets
-            if start & (width - 1):
-                return 1, 0, 0, fields, spans, pointers, sizes
-            if length > 0:
-                if width == 4:
-                    last[i] = memory32[(start >> 2) + length - (_BASE >> 2)]
-                else:
-                    last[i] = memory64[(start >> 3) + length - word]
-    for k in range(scaled.shape[0]):
-        if fields[scaled[k, 0], 0] != fields[scaled[k, 1], 0] * scaled[k, 2]:
-            return 1, 0, 0, fields, spans, pointers, sizes
-    for k in range(listed.shape[0]):
-        if fields[listed[k, 0], 0] != last[listed[k, 1]]:
-            return 1, 0, 0, fields, spans, pointers, sizes
-    end = 0
-    count = 0
-    for b in range(nb):
-        node = bufs[b, 0]
-        length = fields[node, 0]
-        size = bufs[b, 2] * length + bufs[b, 4] * ((length + 7) >> 3) + bufs[b, 5] * last[node]
-        if length > 0:
-            size += bufs[b, 3]
-        if bufs[b, 6] and fields[node, 1] == 0:
-            size = 0
-        padded = (size + 7) & -8
-        spans[b, 0] = end
-        spans[b, 1] = size
-        end += padded
-        if size:
-            pointers[count] = memory64[buffers[node] - word + bufs[b, 1]]
-            sizes[count] = size
-            count += 1
-    return 0, end, count, fields, spans, pointers, sizes
 
 
 def _popcount(x: Any) -> Any:  # pragma: no cover (compiled by numba)

@@ -33,14 +33,14 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(autouse=True, params=["bulk-from-8", "bulk-from-8-compiled", "no-bulk"])
 def bulk_columns(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
     """Batches from 8 columns take the bulk walk (as from ``encoder.BULK_COLUMNS`` in use), through numpy or
-    compiled by numba (``dissoc.codec.jit.flatten_walk``), or none does."""
+    compiled by numba (``bulk.flatten_walk``), or none does."""
     walk = None
     if request.param == "bulk-from-8-compiled":
         pytest.importorskip("numba", reason="the compiled walk needs numba (the jit extra)")
         if os.environ.get("DISSOC_JIT", "").strip() == "0":
             pytest.skip("DISSOC_JIT=0 in the environment turns the compiled walk off")
         jit.compile_now()
-        walk = jit.flatten_walk()
+        walk = bulk.flatten_walk()
         assert walk is not None, f"numba is installed but the walk did not compile ({jit.state()})"
     monkeypatch.setattr(bulk, "flatten_walk", lambda: walk)
     value = 10**9 if request.param == "no-bulk" else 8
