@@ -14,7 +14,6 @@ import pytest
 from e2e_helpers import ServerThread, listener_connections, ordered_table
 
 import dissoc
-from dissoc import connection_pool
 from dissoc.client import (
     ClientOptions,
     close_idle_connections,
@@ -22,7 +21,8 @@ from dissoc.client import (
     open_stream,
     stream_batches,
 )
-from dissoc.connection_pool import ConnectionPool
+from dissoc.session import pool as connection_pool
+from dissoc.session.pool import ConnectionPool
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -315,10 +315,10 @@ async def test_one_connection_may_send_a_whole_part_beyond_the_window_first(bodi
 async def test_metadata_arriving_in_runs_is_held_only_up_to_the_window(
     window: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Hundreds of metadata messages back to back (taken a run at a time, ``on_untagged_run``) before their
-    bodies: the client holds at most ``window`` of them, the rest wait for the window, and every batch comes
-    in order."""
-    from dissoc import client as client_module
+    """Hundreds of metadata messages back to back (offered a run at a time, ``Receiver.on_messages``) before
+    their bodies: the client holds at most ``window`` of them, the rest wait for the window, and every batch
+    comes in order."""
+    from dissoc.session.session import Session
 
     count = 300
     batches = [_batch(i) for i in range(1, count + 1)]
@@ -326,15 +326,15 @@ async def test_metadata_arriving_in_runs_is_held_only_up_to_the_window(
     bodies = [tagged(i + 1, body) for i, (_, body) in enumerate(batches)]
     most = [0]
     runs = [0]
-    real_run = client_module._Session.take_metadata_run
+    real_take = Session.take
 
-    def take_metadata_run(self: Any, conn: Any, messages: list[bytes]) -> int:
-        taken = real_run(self, conn, messages)
-        runs[0] += taken > 1
-        most[0] = max(most[0], len(self.held))
+    def take(self: Any, messages: list[Any], lent: bool) -> int:
+        taken = real_take(self, messages, lent)
+        runs[0] += sum(tag is None for tag, _, _ in messages[:taken]) > 1
+        most[0] = max(most[0], len(self.stream._held))
         return taken
 
-    monkeypatch.setattr(client_module._Session, "take_metadata_run", take_metadata_run)
+    monkeypatch.setattr(Session, "take", take)
 
     def script() -> list[bytes]:
         return [b"".join([meta(0, SCHEMA_MD), *metas]), b"".join(bodies), eos(count + 1)]
@@ -348,23 +348,24 @@ async def test_metadata_arriving_in_runs_is_held_only_up_to_the_window(
 
 
 async def test_a_wake_up_that_hands_over_nothing_is_waited_past() -> None:
-    """A wake-up may release only what the consumer is not handed (a dictionary batch, decoded as it is
-    released): the consumer waits on for what comes next instead of taking from an empty queue."""
+    """A wake-up may release nothing the consumer is handed: the consumer waits on for what comes next
+    instead of taking from an empty queue."""
     import asyncio
 
-    from dissoc.client import _Session
+    from dissoc.protocol import StreamEnded
+    from dissoc.session.session import Session
     from dissoc.uri import DissocURI
 
     uri = DissocURI.parse("tcp://127.0.0.1:9?want_data=7")
-    session = _Session(uri, uri, b"t", ClientOptions(timeout=5))
+    session = Session(uri, uri, b"t", ClientOptions(timeout=5))
     later = asyncio.get_running_loop().call_later
     later(0.05, session._wake)  # nothing ready: woken for nothing
-    sentinel = RuntimeError("handed over")
+    ended = StreamEnded(1)
 
     def hand_over() -> None:
-        session.ready.append(sentinel)
+        session.ready.append(ended)
         session._wake()
 
     later(0.2, hand_over)
-    with pytest.raises(RuntimeError, match="handed over"):
-        await within(5, session.next_event())
+    await within(5, session.wait())
+    assert list(session.ready) == [ended]

@@ -6,12 +6,16 @@
 * :mod:`~dissoc.protocol.pairs` -- body type 1 pair lists and free_data messages.
 * :mod:`~dissoc.protocol.arena` -- the arena announcement (a project extension, for private arenas).
 * :mod:`~dissoc.protocol.reorder` -- matching metadata with bodies and releasing messages in order.
-* :mod:`~dissoc.protocol.state` -- the server's and the client's per-stream state machines.
+* :mod:`~dissoc.protocol.server` -- what a server sends for one stream (numbering, framing).
+* :mod:`~dissoc.protocol.client` -- what a client makes of what arrives: every ordering rule, the window, flow
+  towards the consumer, end of stream; :mod:`~dissoc.protocol.events` what it reports.
 """
 
 from __future__ import annotations
 
 from dissoc.protocol.arena import MAX_ARENA_PAYLOAD, ArenaAnnouncement, decode_arena, encode_arena
+from dissoc.protocol.client import ClientStream, Keep, Received
+from dissoc.protocol.events import ClientEvent, ClientState, MessageReady, SchemaReceived, StreamEnded
 from dissoc.protocol.framing import (
     EMPTY_TICKET,
     PREFIX_SIZE,
@@ -53,18 +57,7 @@ from dissoc.protocol.seq import (
     seq_distance,
     seq_lt,
 )
-from dissoc.protocol.state import (
-    ClientEvent,
-    ClientState,
-    ClientStream,
-    MessageReady,
-    SchemaReceived,
-    ServerMessage,
-    ServerState,
-    ServerStream,
-    StreamEnded,
-    StreamStateError,
-)
+from dissoc.protocol.server import ServerMessage, ServerState, ServerStream, StreamStateError
 from dissoc.protocol.tags import (
     ARENA_TAG,
     BODY_ARENA,
@@ -117,10 +110,12 @@ __all__ = [
     "Complete",
     "EndOfStream",
     "ErrorMessage",
+    "Keep",
     "MessageReady",
     "MessageType",
     "MetadataMessage",
     "PairList",
+    "Received",
     "ReorderBuffer",
     "SchemaReceived",
     "ServerMessage",

@@ -264,6 +264,11 @@ class ReorderBuffer(Generic[M, B]):
         return eos is not None and self._held_metadata == ((eos - self._next) & SEQ_MAX)
 
     @property
+    def held_metadata(self) -> int:
+        """How many sequence numbers have their metadata held (see :attr:`metadata_complete`)."""
+        return self._held_metadata
+
+    @property
     def finished(self) -> bool:
         """End of stream seen and every message before it released."""
         return self._eos is not None and self._next == self._eos and not self._slots
@@ -450,24 +455,16 @@ class ReorderBuffer(Generic[M, B]):
         _log.debug("body seq=0x%08x type=%d (%d bytes)", seq, body_type, nbytes)
         return self._release() if seq == self._next and slot.complete else []
 
-    def release_next(
-        self, seq: int, metadata: M, body_type: int, body: B, nbytes: int, meta_nbytes: int = 0
-    ) -> Complete[M, B] | None:
-        """The metadata and body of message ``seq`` at once, when it is the next to release and nothing is
-        held: released without being held (what :meth:`add_metadata` then :meth:`add_body` would do, in one
-        step). None when that is not the case: the caller then goes through those two, which check the rest.
-        """
-        if not self.advance(seq, nbytes + meta_nbytes):
-            return None
-        return Complete(seq, metadata, body_type, body, nbytes)
-
     def advance(self, seq: int, nbytes: int) -> bool:
-        """:meth:`release_next` for a caller that keeps the message itself: True when ``seq`` (``nbytes`` of
-        metadata and body together) was the next to release with nothing held, and is now released."""
+        """Release message ``seq`` in one step, for a caller that keeps its metadata and body itself (what
+        :meth:`add_metadata` then :meth:`add_body` would do): True when ``seq`` (``nbytes`` of metadata and
+        body together) was the next to release with nothing held (and before the end of stream, if that came
+        already), and is now released; False changes nothing (the caller then goes through those two, which
+        check the rest)."""
         if (
             seq != self._next
             or self._slots
-            or self._eos is not None
+            or seq == self._eos
             or nbytes > self._max_pending_bytes - self._pending_bytes
         ):
             return False

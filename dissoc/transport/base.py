@@ -29,7 +29,7 @@ import resource
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Protocol, Self, TypeAlias
+from typing import Any, Protocol, Self, TypeAlias
 
 import pyarrow as pa
 
@@ -52,6 +52,7 @@ __all__ = [
     "MessageTooLargeError",
     "ReceiveBudget",
     "ReceiveBudgetError",
+    "Received",
     "Receiver",
     "SendData",
     "TagLimitError",
@@ -104,38 +105,29 @@ class ReceiveBudgetError(TransportError, ResourceError):
     :class:`ReceiveBudget`; nothing was allocated for it and nothing more is read from the peer."""
 
 
+#: One received message as a :class:`Receiver` is handed it: ``(tag, payload, nbytes)``, ``tag`` None for an
+#: untagged message (always its own ``bytes`` or memoryview), the payload a tagged message was received into.
+Received: TypeAlias = "tuple[int | None, Any, int]"
+
+
 class Receiver(Protocol):
-    """Takes messages as they arrive (see :meth:`Connection.set_receiver`).
+    """Takes messages as they arrive (see :meth:`Connection.set_receiver`): one door for every message.
 
     Both methods run inside the transport's reading callback: they must be quick and must not raise.
     """
 
-    def on_message(self, tag: int | None, payload: BytesLike, nbytes: int) -> bool:
-        """One received message (``tag`` None: untagged); False leaves it to be held for ``recv*``."""
+    def on_messages(self, messages: list[Received], lent: bool) -> int:
+        """Messages received one after another, oldest first. Returns how many it took, from the first on;
+        the others are held for ``recv``/``recv_tagged`` (or, where the receiver paused reading meanwhile,
+        kept back and offered again once it resumes).
+
+        ``lent``: the tagged payloads are views of the transport's own staging buffer (small messages received
+        whole in one read, offered in one call, on connections with the default allocator and no receive
+        budget), valid only during the call: copy what is kept. Otherwise each payload is the buffer the
+        message was received into, the receiver's to keep."""
 
     def on_failure(self, exc: DissocError) -> None:
         """The connection failed or was closed, after every message received before was offered."""
-
-
-class StagingReceiver(Receiver, Protocol):
-    """A :class:`Receiver` that may also take messages straight from the transport's staging buffer (small
-    ones, received whole in one read), landing their payloads where it suits it. Transports that stage
-    offer them so where a receiver has the method (each is optional), on connections with the default
-    allocator and no receive budget; every other message comes through :meth:`on_message`."""
-
-    def on_pair(self, untagged: bytes, tag: int, staged: memoryview) -> bool:
-        """An untagged message and the tagged message right after it (a metadata message and its body, back
-        to back on one connection); ``staged`` is the tagged payload in the transport's own buffer, valid only
-        during the call (copy what is kept). False only when neither was taken (they then come one by one)."""
-
-    def on_staged(self, tag: int, staged: memoryview) -> bool:
-        """One tagged message (``staged`` as for :meth:`on_pair`); False: not taken (it then comes through
-        :meth:`on_message`)."""
-
-    def on_untagged_run(self, messages: list[bytes]) -> int:
-        """Several untagged messages that came back to back (a metadata stream running ahead of its bodies),
-        oldest first, in one call. Returns how many it took, from the first on; the others then come one by
-        one, in order, as any message does."""
 
 
 class ReceiveBudget:
@@ -251,9 +243,6 @@ class Connection(abc.ABC):
         self._budget = receive_budget
         self._reserved = 0
         self._receiver: Receiver | None = None
-        self._pair_receiver: Callable[[bytes, int, memoryview], bool] | None = None
-        self._staged_receiver: Callable[[int, memoryview], bool] | None = None
-        self._run_receiver: Callable[[list[bytes]], int] | None = None
         #: The stream this connection carries now (a log stream id, set by the server or client that runs
         #: it; None before the first): the transport's own lines about the connection carry it.
         self.stream_id: str | None = None
@@ -302,37 +291,32 @@ class Connection(abc.ABC):
         self._allocator = allocator if allocator is not None else default_allocator
 
     def set_receiver(self, receiver: Receiver | None) -> None:
-        """Hand each message to ``receiver`` the moment it arrives, instead of holding it for :meth:`recv`
-        and :meth:`recv_tagged` (None: hold them again).
+        """Hand messages to ``receiver`` the moment they arrive, instead of holding them for :meth:`recv` and
+        :meth:`recv_tagged` (None: hold them again).
 
         A consumer that processes every message of a connection itself (the client's stream session) takes
-        them this way in one pass per wake-up of the transport, without a future or a task switch per
-        message. Messages it declines are held as before. Messages already held are offered at once,
-        untagged ones first. When the connection fails or is closed, ``receiver.on_failure`` is called once.
-        Flow control stays with the owner: :meth:`pause_reading` and :meth:`resume_reading`.
+        them this way, several per call where the transport can, without a future or a task switch per
+        message. Messages it declines are held as before. Messages already held are offered at once, untagged
+        ones first. When the connection fails or is closed, ``receiver.on_failure`` is called once. Flow
+        control stays with the owner: :meth:`pause_reading` and :meth:`resume_reading`.
         """
         self._receiver = receiver
-        self._pair_receiver = getattr(receiver, "on_pair", None)
-        self._staged_receiver = getattr(receiver, "on_staged", None)
-        self._run_receiver = getattr(receiver, "on_untagged_run", None)
         if receiver is None:
             return
-        for _ in range(len(self._untagged)):
-            message = self._untagged.popleft()
-            if receiver.on_message(None, message, len(message)):
-                self._buffered -= len(message)
+        held: list[Received] = [(None, m, len(m)) for m in self._untagged]
+        held += [(h.message.tag, h.message.payload, h.nbytes) for h in self._held.drain()]
+        self._untagged.clear()
+        self._buffered = 0
+        for tag, payload, nbytes in held:  # (one at a time: each is taken, or held again)
+            if receiver.on_messages([(tag, payload, nbytes)], False):
                 if self._budget is not None:
-                    self._unreserve(len(message))
+                    self._unreserve(nbytes)
+            elif tag is None:
+                self._untagged.append(payload)
+                self._buffered += nbytes
             else:
-                self._untagged.append(message)
-        for held in self._held.drain():
-            self._buffered -= held.nbytes
-            if self._budget is not None:
-                self._unreserve(held.nbytes)
-            if not receiver.on_message(held.message.tag, held.message.payload, held.nbytes):
-                self._held.add(held.message, held.nbytes)
-                self._buffered += held.nbytes
-                self._rereserve(held.nbytes)
+                self._held.add(TaggedMessage(tag, payload), nbytes)
+                self._buffered += nbytes
         if self._error is not None:
             receiver.on_failure(fresh_error(self._error))
 
@@ -632,7 +616,7 @@ class Connection(abc.ABC):
     def _deliver_untagged(self, message: bytes | memoryview) -> None:
         """Hand a received untagged message to the receiver, the oldest waiting consumer, or hold it."""
         receiver = self._receiver
-        if receiver is not None and receiver.on_message(None, message, len(message)):
+        if receiver is not None and receiver.on_messages([(None, message, len(message))], False):
             if self._budget is not None:
                 self._unreserve(len(message))
             return
@@ -651,7 +635,7 @@ class Connection(abc.ABC):
         """Hand a received tagged message to the receiver, the consumer that waited longest for it, or hold
         it."""
         receiver = self._receiver
-        if receiver is not None and receiver.on_message(tag, payload, nbytes):
+        if receiver is not None and receiver.on_messages([(tag, payload, nbytes)], False):
             if self._budget is not None:
                 self._unreserve(nbytes)
             return

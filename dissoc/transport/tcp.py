@@ -19,7 +19,7 @@ import logging
 import socket
 import struct
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -39,6 +39,7 @@ from dissoc.transport.base import (
     MessageTooLargeError,
     ReceiveBudget,
     ReceiveBudgetError,
+    Received,
     SendData,
     TagLimitError,
     as_views,
@@ -98,8 +99,8 @@ _IOV_MAX = 1024
 _SEND_CHUNK = 512 * 1024
 # A bytes payload up to this size is copied next to its frame header (fewer buffers to send).
 _JOIN_BYTES = 4096
-# At most this many back-to-back untagged messages are offered to a receiver in one call (on_untagged_run):
-# a run it declines part of is copied out for nothing, so the waste per offer stays bounded.
+# At most this many whole frames are offered to a receiver in one call (Receiver.on_messages): untagged ones
+# it leaves were copied out for nothing, so the waste per offer stays bounded.
 _RUN_MESSAGES = 512
 _U64_MAX = (1 << 64) - 1
 # After an accept failed for want of file descriptors (or kernel memory), accepting pauses this long.
@@ -502,7 +503,7 @@ class TcpConnection(Connection):
                     self._finish_target()
                 header = self._header
                 if header is None:
-                    if self._staged_receiver is not None and self._frames:
+                    if self._receiver is not None and self._frames:
                         rpos = self._fast_lane(rpos, wpos)
                     if wpos - rpos < HEADER_SIZE:
                         break
@@ -531,13 +532,13 @@ class TcpConnection(Connection):
                     rpos += length
                     continue
                 if tagged:
-                    staged = self._staged_receiver
+                    receiver = self._receiver
                     if (
-                        staged is not None
+                        receiver is not None
                         and wpos - rpos >= length
                         and self._budget is None
                         and self._allocator is default_allocator
-                        and staged(tag, view[rpos : rpos + length])
+                        and receiver.on_messages([(tag, view[rpos : rpos + length], length)], True)
                     ):
                         rpos += length
                         continue
@@ -567,11 +568,10 @@ class TcpConnection(Connection):
             self._wpos = wpos
 
     def _fast_lane(self, rpos: int, wpos: int) -> int:
-        """Whole well-formed frames staged one after another, for a staging receiver: each handed over as the
-        general path would (untagged ones delivered, pairs offered, tagged payloads offered in place), without
-        its per-frame steps, while nothing is buffered, limited or paused. Returns where it stopped: at the
-        first frame that is not whole, is not plainly well formed, or was declined (the general path then
-        takes it, checks included)."""
+        """Whole well-formed frames staged one after another, offered to the receiver in one call (at most
+        :data:`_RUN_MESSAGES`; tagged payloads lent in place, untagged ones as ``bytes``), while nothing is
+        buffered, limited or paused. Returns where it stopped: after the last frame taken; the general path
+        takes the rest (a frame that is not whole or not plainly well formed, or one the receiver left)."""
         if (
             self._buffered
             or self._budget is not None
@@ -580,88 +580,33 @@ class TcpConnection(Connection):
             or self._allocator is not default_allocator
         ):
             return rpos
+        receiver = self._receiver
+        assert receiver is not None
         stage = self._stage
         view = self._stage_view
-        staged = self._staged_receiver
-        assert staged is not None
-        pair = self._pair_receiver
-        run = self._run_receiver
         limit = self._max_message_bytes
-        while wpos - rpos >= HEADER_SIZE:
+        begin = rpos
+        messages: list[Received] = []
+        ends: list[int] = []
+        while wpos - rpos >= HEADER_SIZE and len(messages) < _RUN_MESSAGES:
             first, tag, length = _HEADER.unpack_from(stage, rpos)
             start = rpos + HEADER_SIZE
             end: int = start + length
             if end > wpos or length > limit:
                 break
             if first == KIND_TAGGED:
-                if not staged(tag, view[start:end]):
-                    break
-                self._frames += 1
+                messages.append((tag, view[start:end], length))
             elif first == KIND_UNTAGGED and tag == 0:
-                taken = 0
-                if pair is not None:
-                    taken = self._offer_pair(rpos, wpos, length)
-                if not taken and run is not None:
-                    taken = self._offer_run(rpos, wpos, run)
-                    if taken < 0:
-                        run = None  # declined: the rest of this pass goes one by one
-                if taken > 0:
-                    rpos = taken
-                    if self._paused_by_owner or self._buffered:
-                        break
-                    continue
-                self._frames += 1
-                self._deliver_untagged(bytes(view[start:end]))
+                messages.append((None, bytes(view[start:end]), length))
             else:
                 break
-            rpos = end
-            if self._paused_by_owner or self._buffered:
-                break
-        return rpos
-
-    def _offer_pair(self, rpos: int, wpos: int, length: int) -> int:
-        """For :meth:`_fast_lane`: an untagged message of ``length`` bytes staged whole at ``rpos`` and a
-        tagged one staged whole after it (a metadata message and its small body), offered to the receiver in
-        one call. Returns where the next frame starts once it took them, else 0 (they then go one by one)."""
-        at = rpos + HEADER_SIZE + length
-        if at + HEADER_SIZE > wpos:
-            return 0
-        first, tag, body_length = _HEADER.unpack_from(self._stage, at)
-        end: int = at + HEADER_SIZE + body_length
-        if first != KIND_TAGGED or end > wpos or body_length > self._max_message_bytes:
-            return 0
-        view = self._stage_view
-        pair = self._pair_receiver
-        assert pair is not None
-        if not pair(bytes(view[rpos + HEADER_SIZE : at]), tag, view[at + HEADER_SIZE : end]):
-            return 0
-        self._frames += 2
-        return end
-
-    def _offer_run(self, rpos: int, wpos: int, run: Callable[[list[bytes]], int]) -> int:
-        """For :meth:`_fast_lane`: the untagged messages staged whole from ``rpos`` on, back to back (at least
-        two), offered to the receiver in one call. Returns where the frame after the last one it took starts;
-        0 where there was no run to offer, -1 where the receiver took none (they then go one by one)."""
-        stage = self._stage
-        view = self._stage_view
-        limit = self._max_message_bytes
-        messages: list[bytes] = []
-        ends: list[int] = []
-        while wpos - rpos >= HEADER_SIZE and len(messages) < _RUN_MESSAGES:
-            first, tag, length = _HEADER.unpack_from(stage, rpos)
-            end = rpos + HEADER_SIZE + length
-            if first != KIND_UNTAGGED or tag != 0 or end > wpos or length > limit:
-                break
-            messages.append(bytes(view[rpos + HEADER_SIZE : end]))
             ends.append(end)
             rpos = end
-        if len(messages) < 2:
-            return 0
-        taken = min(run(messages), len(messages))
-        if taken <= 0:
-            return -1
+        if not messages:
+            return rpos
+        taken = receiver.on_messages(messages, True)
         self._frames += taken
-        return ends[taken - 1]
+        return ends[taken - 1] if taken else begin
 
     def _finish_target(self) -> None:
         obj = self._target_obj

@@ -12,6 +12,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dissoc.errors import CodecError, DissocError, ProtocolError, RemoteError, ResourceError
+from dissoc.protocol import (
+    ClientEvent,
+    ClientState,
+    ClientStream,
+    MessageReady,
+    Received,
+    SchemaReceived,
+    ServerMessage,
+    ServerState,
+    ServerStream,
+    StreamEnded,
+    StreamStateError,
+)
 from dissoc.protocol.framing import (
     decode_stream_message,
     encode_eos,
@@ -20,20 +33,8 @@ from dissoc.protocol.framing import (
     encode_metadata_message,
 )
 from dissoc.protocol.pairs import PairList, encode_pairs
+from dissoc.protocol.reorder import SeqClass
 from dissoc.protocol.seq import SEQ_MAX, seq_add
-from dissoc.protocol.state import (
-    ClientEvent,
-    ClientState,
-    ClientStream,
-    MessageReady,
-    SchemaReceived,
-    SeqClass,
-    ServerMessage,
-    ServerState,
-    ServerStream,
-    StreamEnded,
-    StreamStateError,
-)
 from dissoc.protocol.tags import BODY_PACKED, BODY_PAIRS, make_body_tag
 
 
@@ -145,7 +146,7 @@ def test_client_basic_flow() -> None:
     [ev] = c.receive_metadata_message(buf)
     assert isinstance(ev, SchemaReceived)
     assert ev.seq == 0 and bytes(ev.metadata) == b"Schema"
-    assert ev.metadata.obj is buf  # a view, not a copy
+    assert isinstance(ev.metadata, memoryview) and ev.metadata.obj is buf  # a view, not a copy
     assert state_of(c) is ClientState.STREAMING
     assert c.receive_metadata_message(meta(1, b"B1")) == []
     assert c.missing() == [1]
@@ -270,7 +271,7 @@ def test_metadata_before_the_schema_is_held() -> None:
     assert c.missing() == [0]
     events = c.receive_metadata_message(meta(0, b"S"))
     assert [type(e) for e in events] == [SchemaReceived, MessageReady, MessageReady]
-    assert [e.seq for e in events if not isinstance(e, StreamEnded)] == [0, 1, 2]
+    assert [e.seq for e in events if isinstance(e, SchemaReceived | MessageReady)] == [0, 1, 2]
     assert state_of(c) is ClientState.STREAMING
     assert c.receive_metadata_message(encode_eos(3)) == [StreamEnded(3)]
     assert c.finished
@@ -599,32 +600,48 @@ def test_garbage_raises_only_dissoc_errors(sequence: list[tuple[str, object]]) -
                 assert c.finished
 
 
-# -- metadata and body in one step --------------------------------------------------------------------------
+# -- a batch of messages in one step -------------------------------------------------------------------------
 
 
 def _events_key(events: list[ClientEvent]) -> list[tuple[object, ...]]:
     out: list[tuple[object, ...]] = []
     for ev in events:
         if isinstance(ev, MessageReady):
-            out.append(("ready", ev.seq, bytes(ev.metadata), ev.body_type, ev.body))
+            body = ev.body.to_list() if isinstance(ev.body, PairList) else bytes(ev.body or b"")  # type: ignore[call-overload]
+            out.append(("ready", ev.seq, bytes(ev.metadata), ev.body_type, body))
         else:
             out.append((type(ev).__name__, getattr(ev, "seq", None)))
     return out
 
 
-def _outcome(pair: bool | str, inputs: list[tuple[bytes, int, bytes]]) -> list[object]:
-    """What a stream makes of (metadata, tag, body) triples, fed in one step or two; errors included.
-    ``pair="release"``: as a driver that decodes at once feeds it, trying ``release_packed`` first (its
-    release reported as the event the one-step path returns)."""
-    c = ClientStream(has_body, window=4, max_pending_bytes=64)
+def _outcome(batched: bool | str, inputs: list[tuple[bytes, int, bytes]]) -> list[object]:
+    """What a stream makes of (metadata, tag, body) triples, fed one message at a time, or each pair as one
+    batch (``batched="lent"``: with payloads lent for the call only, kept through ``keep``); errors included.
+    """
+    kept: list[bytes] = []
+
+    def keep(payload: memoryview, metadata: bytes | None) -> object:
+        kept.append(bytes(payload))
+        return kept[-1]
+
+    c = ClientStream(has_body, window=4, max_pending_bytes=64, keep=keep)
     results: list[object] = [_events_key(c.receive_metadata_message(meta(0, b"S")))]
     for buf, tag, body in inputs:
         try:
-            seq = int.from_bytes(buf[1:5], "little")
-            if pair == "release" and buf[0] == 1 and seq == tag and c.release_packed(seq, buf[5:], len(body)):
-                events: list[ClientEvent] = [MessageReady(seq, memoryview(buf[5:]), BODY_PACKED, body)]
-            elif pair:
-                events = c.receive_message_with_body(buf, tag, body, len(body))
+            if batched:
+                lent = batched == "lent"
+                payload = memoryview(bytearray(body)) if lent else body
+                rest: list[Received] = [(None, buf, len(buf)), (tag, payload, len(body))]
+                while rest:  # (a stream that finished on the way leaves the rest: offered again, it fails)
+                    rest = rest[c.receive(rest, lent=lent) :]
+                events = list(c.events)
+                c.events.clear()
+                if lent:  # what was only lent was kept before it went into an event
+                    assert all(
+                        any(e.body is k for k in kept)
+                        for e in events
+                        if isinstance(e, MessageReady) and e.body_type == BODY_PACKED
+                    )
             else:
                 events = c.receive_metadata_message(buf)
                 events = events + c.receive_body(tag, body, len(body))
@@ -638,7 +655,7 @@ def _outcome(pair: bool | str, inputs: list[tuple[bytes, int, bytes]]) -> list[o
 @pytest.mark.parametrize(
     "inputs",
     [
-        [(meta(1, b"B1"), 1, b"x" * 8), (meta(2, b"B2"), 2, b"y" * 8)],  # in order: the one-step path
+        [(meta(1, b"B1"), 1, b"x" * 8), (meta(2, b"B2"), 2, b"y" * 8)],  # in order: the held run
         [(meta(2, b"B2"), 2, b"y" * 8), (meta(1, b"B1"), 1, b"x" * 8)],  # ahead first: held, then both
         [(meta(1, b"B1"), 2, b"x" * 8)],  # the body of another message
         [(meta(1, b"N1"), 1, b"x" * 8)],  # a body for metadata without one
@@ -646,51 +663,34 @@ def _outcome(pair: bool | str, inputs: list[tuple[bytes, int, bytes]]) -> list[o
         [(meta(1, b"B1"), 1, b"x" * 100)],  # over max_pending_bytes
         [(meta(9, b"B9"), 9, b"x" * 8)],  # beyond the window
         [(encode_eos(1), 1, b"x" * 8)],  # not metadata
-        [(meta(1, b"B1"), (1 << 56) | 1, encode_pairs([(64, 8)]))],  # pairs: the two-step path
+        [(meta(1, b"B1"), (1 << 56) | 1, encode_pairs([(64, 8)]))],  # pairs: the general path
         [(b"\x00\x01", 1, b"x" * 8)],  # too short for a prefix
     ],
 )
-def test_message_with_body_is_the_two_steps_in_one(inputs: list[tuple[bytes, int, bytes]]) -> None:
+def test_a_batch_is_its_messages_one_by_one(inputs: list[tuple[bytes, int, bytes]]) -> None:
     assert _outcome(True, inputs) == _outcome(False, inputs)
-    assert _outcome("release", inputs) == _outcome(False, inputs)
+    assert _outcome("lent", inputs) == _outcome(False, inputs)
 
 
-def _picky(mv: memoryview) -> bool:
+def _picky(mv: memoryview | bytes) -> bool:
     """A codec stand-in that refuses the metadata ``X``."""
     if bytes(mv) == b"X":
         raise CodecError("not a flatbuffer")
-    return has_body(mv)
+    return has_body(memoryview(mv))
 
 
-def test_release_packed_changes_nothing_when_it_declines() -> None:
-    c = ClientStream(has_body, window=4)
-    assert not c.release_packed(0, b"B0", 1)  # no schema yet: the general path says what is wrong
-    c.receive_metadata_message(meta(0, b"S"))
-    assert not c.release_packed(2, b"B2", 1)  # not the next to release
-    assert not c.release_packed(1, b"N1", 1)  # its metadata says it has no body
-    assert not c.release_packed(1, b"", 1)  # no metadata at all
-    assert (c.next_seq, c.released, c.state) == (1, 1, ClientState.STREAMING)
-    assert c.release_packed(1, b"B1", 1)
-    assert (c.next_seq, c.released) == (2, 2)
-
-    c2 = ClientStream(_picky)
-    c2.receive_metadata_message(meta(0, b"S"))
-    with pytest.raises(CodecError, match="not a flatbuffer"):
-        c2.release_packed(1, b"X", 1)
-    assert c2.state is ClientState.FAILED
-
-
-def test_message_with_body_after_failure_and_from_a_failing_codec() -> None:
+def test_a_batch_after_failure_and_from_a_failing_codec() -> None:
     c = ClientStream(has_body)
     c.receive_metadata_message(meta(0, b"S"))
     c.receive_body(make_body_tag(7, BODY_PACKED), b"x", 1)  # held until its metadata comes
     with pytest.raises(ProtocolError, match="duplicate"):
-        c.receive_message_with_body(meta(7, b"B7"), 7, b"x", 1)
+        c.receive([(None, meta(7, b"B7"), 7), (7, b"x", 1)])
     with pytest.raises(ProtocolError, match="already failed"):
-        c.receive_message_with_body(meta(1, b"B1"), 1, b"x", 1)
+        c.receive([(None, meta(1, b"B1"), 7), (1, b"x", 1)])
 
     c2 = ClientStream(_picky)
     c2.receive_metadata_message(meta(0, b"S"))
+    c2.receive_metadata_message(meta(1, b"B1"))  # the held run begins
     with pytest.raises(CodecError, match="not a flatbuffer"):
-        c2.receive_message_with_body(meta(1, b"X"), 1, b"x", 1)
+        c2.receive([(None, meta(2, b"X"), 7), (1, b"x", 1)])
     assert state_of(c2) is ClientState.FAILED

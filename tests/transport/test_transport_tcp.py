@@ -172,40 +172,32 @@ async def test_frames_split_at_every_byte_are_reassembled() -> None:
 
 
 class _Recording:
-    """A receiver that records what it is handed, as (how, tag, payload bytes); with ``staging`` it also
-    takes messages from the transport's staging buffer, declining every ``decline``-th offer (with ``pairs``
-    also a metadata message and its body at once)."""
+    """A receiver that records what it is handed, as (how, tag, payload bytes): ``lent`` for payloads lent
+    from the staging buffer, ``own`` for payloads it may keep. It takes at most ``most`` messages of each
+    offer, and none of every ``decline``-th offer of several; where it leaves some, it pauses reading for a
+    moment, as a receiver whose consumer is behind does (what it left comes again once it resumes)."""
 
-    def __init__(self, staging: bool, decline: int = 0, pairs: bool = True) -> None:
+    def __init__(self, decline: int = 0, most: int = 10**9) -> None:
         self.got: list[tuple[str, int | None, bytes]] = []
-        self.offers = 0
+        self.offers: list[int] = []
         self.decline = decline
-        if staging:
-            if pairs:
-                self.on_pair = self._on_pair
-            self.on_staged = self._on_staged
+        self.most = most
+        self.conn: Any = None
 
-    def _declines(self) -> bool:
-        self.offers += 1
-        return bool(self.decline) and self.offers % self.decline == 0
-
-    def on_message(self, tag: int | None, payload: Any, nbytes: int) -> bool:
-        data = bytes(memoryview(payload).cast("B"))
-        assert len(data) == nbytes
-        self.got.append(("one", tag, data))
-        return True
-
-    def _on_pair(self, untagged: bytes, tag: int, staged: memoryview) -> bool:
-        if self._declines():
-            return False
-        self.got += [("pair", None, bytes(untagged)), ("pair", tag, bytes(staged))]
-        return True
-
-    def _on_staged(self, tag: int, staged: memoryview) -> bool:
-        if self._declines():
-            return False
-        self.got.append(("staged", tag, bytes(staged)))
-        return True
+    def on_messages(self, messages: list[Any], lent: bool) -> int:
+        self.offers.append(len(messages))
+        most = self.most
+        if self.decline and len(self.offers) % self.decline == 0:
+            most = 0
+        taken = messages[:most] if len(messages) > 1 else messages
+        if len(taken) < len(messages):
+            self.conn.pause_reading()
+            asyncio.get_running_loop().call_later(0.002, self.conn.resume_reading)
+        for tag, payload, nbytes in taken:
+            data = bytes(memoryview(payload).cast("B"))
+            assert len(data) == nbytes
+            self.got.append(("lent" if lent else "own", tag, data))
+        return len(taken)
 
     def on_failure(self, exc: Exception) -> None:
         pass
@@ -213,37 +205,32 @@ class _Recording:
 
 @pytest.mark.parametrize("trickle", [False, True])
 @pytest.mark.parametrize("decline", [0, 2])
-async def test_staging_receivers_get_every_message_once_in_order(trickle: bool, decline: int) -> None:
-    """Receivers that take messages from the staging buffer (a metadata message and its body at once, or a
-    staged tagged message) see the same messages in the same order as those that take them one by one,
-    whether frames arrive whole or a byte at a time, and whether they decline some offers."""
+async def test_receivers_get_every_message_once_in_order(trickle: bool, decline: int) -> None:
+    """A receiver is offered every message once, in order, whether frames arrive whole (many at a time,
+    lent from the staging buffer) or a byte at a time, and whether it declines some offers."""
     messages = [
         (1, 0, b"meta-%d" % i) if i % 3 else (2, 100 + i, bytes([i]) * (i * 7 + 1)) for i in range(30)
     ]
     messages += [(1, 0, b"m"), (2, 7, bytes(70_000)), (2, 8, b"after a large one")]
     data = b"".join(frame(kind, tag, payload) for kind, tag, payload in messages)
     expected = [(None if kind == 1 else tag, payload) for kind, tag, payload in messages]
-    for staging, pairs in ((False, False), (True, True), (True, False)):
-        receiver = _Recording(staging, decline, pairs)
-        async with raw_peer() as (conn, raw):
-            conn.set_receiver(receiver)
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            step = 1 if trickle else len(data)
-            for i in range(0, len(data), step):
-                raw.sendall(data[i : i + step])
-                if trickle and i % 5 == 0:
-                    await asyncio.sleep(0)
-            for _ in range(500):
-                if len(receiver.got) == len(expected):
-                    break
-                await asyncio.sleep(0.01)
-        assert [(tag, payload) for _, tag, payload in receiver.got] == expected
-        hows = {how for how, _, _ in receiver.got}
-        if not staging:
-            assert hows == {"one"}
-        elif not trickle:  # (declining every other offer, every pair may be declined)
-            assert ({"pair", "staged"} if pairs and not decline else {"staged"}) <= hows
-            assert pairs or "pair" not in hows
+    receiver = _Recording(decline)
+    async with raw_peer() as (conn, raw):
+        receiver.conn = conn
+        conn.set_receiver(receiver)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        step = 1 if trickle else len(data)
+        for i in range(0, len(data), step):
+            raw.sendall(data[i : i + step])
+            if trickle and i % 5 == 0:
+                await asyncio.sleep(0)
+        for _ in range(500):
+            if len(receiver.got) == len(expected):
+                break
+            await asyncio.sleep(0.01)
+    assert [(tag, payload) for _, tag, payload in receiver.got] == expected
+    if not trickle and not decline:  # whole frames, several to an offer, lent from the staging buffer
+        assert {how for how, _, _ in receiver.got} == {"lent"} and max(receiver.offers) > 1
 
 
 async def test_large_payload_trickling_in_does_not_stall() -> None:
@@ -597,37 +584,19 @@ async def test_works_over_a_unix_socket_pair() -> None:
         assert bytes((await asyncio.wait_for(b.recv_tagged(3), 5)).view()) == b"over unix"
 
 
-class _RunRecording(_Recording):
-    """A staging receiver that also takes runs of untagged messages, at most ``most`` of each run, and none
-    of every ``decline``-th run offered."""
-
-    def __init__(self, most: int, decline: int) -> None:
-        super().__init__(staging=True, pairs=False)
-        self.most = most
-        self.run_decline = decline
-        self.runs: list[int] = []
-
-    def on_untagged_run(self, messages: list[bytes]) -> int:
-        self.runs.append(len(messages))
-        if self.run_decline and len(self.runs) % self.run_decline == 0:
-            return 0
-        taken = messages[: self.most]
-        self.got += [("run", None, m) for m in taken]
-        return len(taken)
-
-
 @pytest.mark.parametrize(("most", "decline"), [(10**6, 0), (7, 0), (7, 3), (1, 2)])
-async def test_runs_of_untagged_messages_are_offered_at_once_and_in_order(most: int, decline: int) -> None:
-    """Back-to-back untagged messages (a metadata stream running ahead) are offered as runs of at most
-    _RUN_MESSAGES; whatever the receiver leaves of a run comes one by one, and every message arrives once, in
-    order, around the tagged ones."""
+async def test_frames_are_offered_many_at_once_and_in_order(most: int, decline: int) -> None:
+    """Back-to-back frames staged whole (a metadata stream running ahead) are offered at most _RUN_MESSAGES
+    to a call; whatever the receiver leaves comes again, and every message arrives once, in order, around the
+    tagged ones."""
     messages = [(1, 0, b"meta-%d" % i) for i in range(1500)]
     messages += [(2, 9, b"body"), (1, 0, b"lone"), (2, 10, b"body 2")]
     messages += [(1, 0, b"late-%d" % i) for i in range(40)]
     data = b"".join(frame(kind, tag, payload) for kind, tag, payload in messages)
     expected = [(None if kind == 1 else tag, payload) for kind, tag, payload in messages]
-    receiver = _RunRecording(most, decline)
+    receiver = _Recording(decline, most)
     async with raw_peer() as (conn, raw):
+        receiver.conn = conn
         conn.set_receiver(receiver)
         raw.sendall(data)
         for _ in range(500):
@@ -635,9 +604,7 @@ async def test_runs_of_untagged_messages_are_offered_at_once_and_in_order(most: 
                 break
             await asyncio.sleep(0.01)
     assert [(tag, payload) for _, tag, payload in receiver.got] == expected
-    assert receiver.runs and max(receiver.runs) <= tcp._RUN_MESSAGES
-    assert min(receiver.runs) >= 2  # a lone message is not a run
-    hows = [how for how, _, _ in receiver.got]
+    assert max(receiver.offers) <= tcp._RUN_MESSAGES
     # (the first frame, and frames cut by the end of a read, take the general path)
-    # after a declined run, the rest of that pass goes one by one
-    assert hows.count("run") >= (1000 if most > 1 and not decline else 1)
+    lent = sum(how == "lent" for how, _, _ in receiver.got)
+    assert lent >= (1000 if most > 1 and not decline else 1)

@@ -1,0 +1,166 @@
+"""Turning a stream's released messages into batches: one decode-and-account step for every body kind.
+
+A :class:`~dissoc.protocol.MessageReady` carries its body as it arrived: landed in a slab
+(:class:`~dissoc.session.landing.Landed`), a buffer of its own (host or device memory), or a pair list
+pointing into the server's memory. :meth:`Decoding.message` decodes any of them over the memory it is in (no
+copy, every offset checked against the bytes present) and counts what it carried; :meth:`Decoding.schema`
+and :meth:`Decoding.arena` take the other events.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeAlias
+
+import pyarrow as pa
+
+from dissoc.codec import MessageDecoder
+from dissoc.errors import DissocError, ProtocolError
+from dissoc.memory.pairs import PairReader, open_pair_reader
+from dissoc.protocol import BODY_PACKED, BODY_PAIRS, ArenaAnnouncement, MessageReady, PairList, fmt_seq
+from dissoc.session.landing import Landed
+from dissoc.session.options import ClientOptions, FetchStats
+from dissoc.uri import DissocURI
+
+if TYPE_CHECKING:
+    from dissoc.device import DeviceBatch
+    from dissoc.device.landing import DeviceLanding
+
+__all__ = ["Batch", "Decoding"]
+
+#: What a stream yields: host batches, or device batches with ``ClientOptions(landing="device")``.
+Batch: TypeAlias = "pa.RecordBatch | DeviceBatch"
+
+_ArenaKey: TypeAlias = "tuple[str, bytes | None, tuple[tuple[str, str], ...]]"
+
+
+def _arena_key(uri: DissocURI) -> _ArenaKey:
+    """What tells two arenas apart: memory kind, handle and the kind's parameters."""
+    return (str(uri.memory), uri.remote_handle, tuple(sorted(uri.params.items())))
+
+
+class Decoding:
+    """One stream's decoder, device landing and pair reader, and what was decoded (:attr:`stats`); the
+    ranges pair reads are done with wait in :attr:`to_free` for the session's free_data."""
+
+    def __init__(
+        self,
+        options: ClientOptions,
+        data_uri: DissocURI,
+        *,
+        on_release: Callable[[list[int]], None],
+        to_free: list[int],
+    ) -> None:
+        self.options = options
+        self.data_uri = data_uri
+        self.decoder = MessageDecoder(validate=options.validate)
+        self.stats = FetchStats()
+        self.to_free = to_free
+        self._on_release = on_release
+        self.device: DeviceLanding | None = None
+        if options.landing == "device":
+            from dissoc.device.landing import DeviceLanding
+
+            self.device = DeviceLanding(validate=options.validate)
+        elif options.landing != "host":
+            raise DissocError(f"landing: expected 'host' or 'device', got {options.landing!r}")
+        # A private arena (the URI says arena=private) is announced on the data connection once want_data
+        # was accepted (see arena()); any other is named in the URI itself.
+        self.pairs: PairReader | None = None
+        self._arena: _ArenaKey | None = None
+        if data_uri.memory is not None and data_uri.params.get("arena") != "private":
+            self.pairs = open_pair_reader(
+                data_uri, zero_copy=options.zero_copy, on_release=on_release, timeout=options.timeout
+            )
+            self._arena = _arena_key(data_uri)
+
+    @property
+    def lands_on_host(self) -> bool:
+        """Whether packed bodies land in host memory and are decoded there (what slabs are for)."""
+        return self.device is None and self.data_uri.memory is None
+
+    def schema(self, metadata: object) -> pa.Schema:
+        """The stream's Schema message."""
+        if self.device is not None:
+            self.device.schema(metadata)
+        self.decoder.decode(metadata)
+        schema = self.decoder.schema
+        assert schema is not None
+        return schema
+
+    def message(self, ev: MessageReady) -> Batch | None:
+        """A released message as a batch (None: a dictionary batch, nothing to hand over), counted."""
+        body = ev.body
+        if type(body) is Landed:
+            framed, plain = body
+            batch: Batch | None = (
+                plain.read(framed) if plain is not None else self.decoder.decode_landed(ev.metadata, framed)
+            )
+            size = ev.nbytes
+        elif ev.body_type == BODY_PAIRS:
+            assert isinstance(body, PairList)
+            batch = self._pairs(ev, body)
+            size = int(body.total)
+        elif ev.body_type == BODY_PACKED:
+            if self.device is not None:
+                batch = self.device.packed(ev.metadata, body)
+            else:
+                batch = self.decoder.decode(ev.metadata, body)
+            size = ev.nbytes
+        else:
+            raise ProtocolError(f"message {fmt_seq(ev.seq)}: unknown body type {ev.body_type}")
+        if batch is not None:
+            stats = self.stats
+            stats.batches += 1
+            stats.rows += batch.num_rows
+            stats.bytes += size
+        return batch
+
+    def _pairs(self, ev: MessageReady, pairs: PairList) -> Batch | None:
+        """Body type 1: read the listed ranges (copy, zero-copy or RMA); what is done with goes to free."""
+        reader = self.pairs
+        if reader is None:
+            where = (
+                "the data server announced no arena"
+                if self.data_uri.memory is not None
+                else "the data URI names no memory"
+            )
+            raise ProtocolError(f"message {fmt_seq(ev.seq)}: address/length pairs, but {where} for them")
+        if self.device is not None:
+            batch, done = self.device.pairs(ev.metadata, pairs, reader)
+            self.to_free.extend(done)
+            return batch
+        buffers, done = reader.read(pairs)
+        self.to_free.extend(done)
+        return self.decoder.decode_scattered(ev.metadata, buffers)
+
+    def arena(self, arena: ArenaAnnouncement) -> None:
+        """The data server named the arena this connection's pair lists point into (private arenas): open a
+        reader for it, before any of those pair lists is read."""
+        uri = self.data_uri
+        if uri.memory != arena.memory:
+            raise ProtocolError(
+                f"arena announcement: expected memory={uri.memory} as the data URI says, got {arena.memory!r}"
+            )
+        announced = dataclasses.replace(uri, remote_handle=arena.remote_handle, params=arena.params)
+        key = _arena_key(announced)
+        if self._arena is not None:
+            if key != self._arena:  # a repeat (each stream announces the connection's arena) changes nothing
+                raise ProtocolError(
+                    "arena announcement: the data server named a second arena on one connection"
+                )
+            return
+        self.pairs = open_pair_reader(
+            announced,
+            zero_copy=self.options.zero_copy,
+            on_release=self._on_release,
+            timeout=self.options.timeout,
+        )
+        self._arena = key
+
+    def close(self) -> None:
+        """The stream is over: the decoders' dictionaries are needed no more (zero-copy ones lie in the
+        server's memory, which goes back when the consumer's batches are released, not with the session)."""
+        self.decoder.dictionaries.clear()
+        self.device = None

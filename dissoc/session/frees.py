@@ -1,0 +1,97 @@
+"""free_data: giving the server back the arena ranges a stream's batches are done with.
+
+Copy-mode pair reads are done with their ranges as they are read; zero-copy batches when the consumer releases
+them, in any thread (the reader's ``on_release``). Either way the ranges gather here and go to the data
+server in one free_data message per flush, from the session's event loop. A connection that is gone needs
+none: a server releases what it listed on a connection when that closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+from dissoc.errors import DissocError, TransportError
+from dissoc.metrics import CLIENT
+from dissoc.protocol import encode_free
+from dissoc.transport import Connection
+from dissoc.uri import DissocURI
+
+__all__ = ["Frees", "background", "settle"]
+
+log = logging.getLogger("dissoc.client")  # (the client's lines, wherever its machinery lives)
+
+#: Tasks that outlive the call that started them (frees sent later, zero-copy sessions waiting for their
+#: batches to go).
+background: set[asyncio.Task[None]] = set()
+
+
+def run_later(coro: Coroutine[Any, Any, None]) -> None:
+    """Run ``coro`` in the running loop, kept in :data:`background` until it is done."""
+    task = asyncio.get_running_loop().create_task(coro)
+    background.add(task)
+    task.add_done_callback(background.discard)
+
+
+async def settle(timeout: float = 5.0) -> None:
+    """Wait (up to ``timeout`` s) for this loop's zero-copy sessions to end: each ends when the batches over
+    the server's memory are released, after it has sent their free_data. Call it before the loop closes, so
+    that no session is cut off with frees unsent."""
+    loop = asyncio.get_running_loop()
+    mine = [t for t in background if t.get_loop() is loop and not t.done()]
+    if mine:
+        await asyncio.wait(mine, timeout=timeout)
+
+
+class Frees:
+    """The ranges to free for one stream, and their free_data messages on its data connection."""
+
+    def __init__(self, data_uri: DissocURI, pending: list[int]) -> None:
+        self.data_uri = data_uri
+        #: Offsets to free with the next flush (shared with the stream's :class:`Decoding`).
+        self.pending = pending
+        self.conn: Connection | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._scheduled = False
+
+    def released(self, offsets: list[int]) -> None:
+        """A zero-copy batch was released (in any thread): free its ranges from the event loop."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop stopped meanwhile
+            loop.call_soon_threadsafe(self._later, offsets)
+
+    def _later(self, offsets: list[int]) -> None:
+        self.pending.extend(offsets)
+        if not self._scheduled and self.conn is not None:
+            # One flush for every release that happens before it runs (free_data messages are coalesced).
+            self._scheduled = True
+            run_later(self.flush_quietly())
+
+    async def flush_quietly(self) -> None:
+        self._scheduled = False
+        with contextlib.suppress(DissocError):
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Send the offsets gathered so far as one free_data message."""
+        if self.pending and self.conn is not None and self.data_uri.free_data is not None:
+            addresses = self.pending[:]
+            self.pending.clear()
+            try:
+                await self.conn.send_tagged(self.data_uri.free_data, encode_free(addresses))
+            except TransportError as e:
+                log.debug("free_data of %d ranges not sent (the connection is gone): %s", len(addresses), e)
+                return
+            CLIENT.free_data.inc(self.data_uri.scheme)
+
+    async def linger(self, idle: threading.Event) -> None:
+        """Flush as zero-copy batches are released, until the last one is (``idle``)."""
+        while not idle.is_set():
+            await asyncio.sleep(0.05)
+            await self.flush_quietly()

@@ -1,0 +1,83 @@
+"""Where a stream's small packed bodies land on the host: side by side in slabs of the session's own, each
+after room for its IPC framing, so that the codec reads it where it lies (no allocation or copy per batch).
+
+A transport lends small payloads from its staging buffer for the length of a call only
+(``Receiver.on_messages(..., lent=True)``); :meth:`Slabs.land` copies one into the current slab as its message
+is released, and the batch decoded from it later keeps the slab alive (the pool hands the slab out again
+once no batch does).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pyarrow as pa
+
+from dissoc.buffers import ALIGNMENT, DEFAULT_POOL
+from dissoc.codec import Landing, MessageDecoder, frame_room
+
+__all__ = ["SLAB_BYTES", "Landed", "Slabs", "copied"]
+
+#: Bytes of one landing slab.
+SLAB_BYTES = 1 << 20
+_NO_SLAB = pa.py_buffer(b"")
+
+
+class Landed(NamedTuple):
+    """A body landed after room for its framing: ``framed`` holds room and body; ``plain`` reads it in one
+    step where the layout leaves nothing in the body to check (else ``MessageDecoder.decode_landed``)."""
+
+    framed: pa.Buffer
+    plain: Landing | None
+
+
+_new_landed = tuple.__new__  # (without the NamedTuple's Python-level __new__: one is made per batch)
+
+
+def copied(staged: memoryview) -> object:
+    """A lent payload copied out into a pooled buffer (as the transport would have received it)."""
+    body = DEFAULT_POOL.allocate(len(staged))
+    body.data[:] = staged
+    return body
+
+
+class Slabs:
+    """Lands bodies for one decoder (see the module's text)."""
+
+    __slots__ = ("_decoder", "_pos", "_slab", "_view")
+
+    def __init__(self, decoder: MessageDecoder) -> None:
+        self._decoder = decoder
+        self._pos = SLAB_BYTES
+        self._view = memoryview(b"")
+        self._slab = _NO_SLAB
+
+    def land(self, staged: memoryview, metadata: bytes | None) -> object:
+        """``staged`` (a packed body lent by the transport) landed for decoding with ``metadata``; without
+        metadata (a body that came before it), a plain copy."""
+        if metadata is None:
+            return copied(staged)
+        plain = self._decoder.landing(metadata)
+        room = frame_room(len(metadata)) if plain is None else plain.room
+        nbytes = len(staged)
+        need = room + nbytes
+        pos = self._pos
+        if pos + need > SLAB_BYTES:
+            if need > SLAB_BYTES // 4:  # a large body: an allocation of its own
+                landing = DEFAULT_POOL.allocate(need)
+                landing.data[room:] = staged
+                return _new_landed(Landed, (pa.py_buffer(landing), None))
+            slab = DEFAULT_POOL.allocate(SLAB_BYTES)  # (an idle pooled one, once nothing uses it)
+            self._view = slab.data
+            self._slab = pa.py_buffer(slab)
+            pos = 0
+        end = pos + need
+        view = self._view
+        view[pos + room : end] = staged
+        self._pos = (end + ALIGNMENT - 1) & -ALIGNMENT
+        if plain is not None:
+            # the framing before the body: one read of a slice of the slab (whose batches then hold the slab
+            # through pyarrow alone)
+            view[pos : pos + room] = plain.head
+            return _new_landed(Landed, (self._slab.slice(pos, need), plain))
+        return _new_landed(Landed, (pa.py_buffer(view[pos:end]), None))
