@@ -119,13 +119,14 @@ def _is_loopback(host: str) -> bool:
 def _parser() -> argparse.ArgumentParser:
     # The limits' defaults are the server's own (one definition each).
     from dissoc.flight.server import DEFAULT_MAX_PUT_BYTES
-    from dissoc.role_server import (
+    from dissoc.server.options import (
         DEFAULT_IDLE_TIMEOUT,
+        DEFAULT_MAX_CONNECTIONS_PER_PEER,
         DEFAULT_MAX_FREE_DATA_BYTES,
+        DEFAULT_MAX_RECEIVING_BYTES,
         DEFAULT_MAX_TICKET_BYTES,
         DEFAULT_WANT_DATA_TIMEOUT,
     )
-    from dissoc.server.server import DEFAULT_MAX_CONNECTIONS_PER_PEER, DEFAULT_MAX_RECEIVING_BYTES
     from dissoc.tokens import DEFAULT_TTL
 
     p = argparse.ArgumentParser(

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Any, Literal, Self
 
-from dissoc.data_server import DataServer
 from dissoc.datasets import Catalog, Dataset
 from dissoc.errors import DissocError
 from dissoc.memory.cuda_arena import DeviceArena
@@ -22,18 +21,23 @@ from dissoc.memory.pairs import ServedArena
 from dissoc.memory.placements import Placements
 from dissoc.memory.private import PrivateArenas
 from dissoc.memory.shm import ShmArena
-from dissoc.metadata_server import MetadataServer
 from dissoc.metrics import Sample, register, unregister
 from dissoc.protocol.ledger import Ledger
-from dissoc.role_server import (
-    DEFAULT_IDLE_TIMEOUT,
-    DEFAULT_MAX_FREE_DATA_BYTES,
-    DEFAULT_MAX_TICKET_BYTES,
-    DEFAULT_WANT_DATA_TIMEOUT,
-    RoleServer,
-    ServeOptions,
-)
 from dissoc.server.combined import CombinedServer
+from dissoc.server.data import DataServer
+from dissoc.server.metadata import MetadataServer
+from dissoc.server.options import (
+    DEFAULT_FREE_DATA,
+    DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS_PER_PEER,
+    DEFAULT_MAX_FREE_DATA_BYTES,
+    DEFAULT_MAX_RECEIVING_BYTES,
+    DEFAULT_MAX_TICKET_BYTES,
+    DEFAULT_WANT_DATA,
+    DEFAULT_WANT_DATA_TIMEOUT,
+    ROLES,
+)
+from dissoc.server.role import RoleServer, ServeOptions
 from dissoc.tokens import Secret
 from dissoc.transport.base import ReceiveBudget, default_max_connections
 from dissoc.transport.tls import DEFAULT_HANDSHAKE_TIMEOUT, server_context
@@ -49,18 +53,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-#: The want_data and free_data tag values a server advertises unless told otherwise ("WANT", "FREE").
-DEFAULT_WANT_DATA = 0x57414E54
-DEFAULT_FREE_DATA = 0x46524545
-#: Connections one peer address may have open at once, per listening port.
-DEFAULT_MAX_CONNECTIONS_PER_PEER = 64
-#: Bytes being received (or received and not yet taken) across all of a server's connections.
-DEFAULT_MAX_RECEIVING_BYTES = 1 << 30
-#: What a Server runs: ``all`` (both halves, or the combined server), one half of a split server in its own
-#: process (``metadata``, ``data``: the two encode the same datasets alike, so their sequence numbers
-#: match), or ``none`` (only the catalog, for a Flight control plane in front of servers running elsewhere).
-ROLES = ("all", "metadata", "data", "none")
 
 
 class Server:
