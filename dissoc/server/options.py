@@ -1,9 +1,14 @@
 """What a :class:`~dissoc.server.Server` is told: :class:`ServerOptions`, every option checked on its own
 before anything is built, and the defaults it starts from (the command line's too).
+
+``dissoc serve`` fills it from its flags, the environment and a configuration file
+(:meth:`ServerOptions.from_args`, through :func:`dissoc.config.fill`): a field takes the flag of its name,
+or the one its metadata names (``--arena-mib`` for :attr:`~ServerOptions.arena_bytes`).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import inspect
@@ -11,8 +16,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
+from dissoc.config import fill, from_option
 from dissoc.errors import DissocError, TransportError
 from dissoc.tokens import Secret
 from dissoc.transport.tls import DEFAULT_HANDSHAKE_TIMEOUT
@@ -52,6 +58,11 @@ DEFAULT_MAX_RECEIVING_BYTES = 1 << 30
 ROLES = ("all", "metadata", "data", "none")
 
 
+def _mebibytes(value: int | None) -> int | None:
+    """A size given in MiB (the command line's unit), in bytes; None stays None (no limit)."""
+    return None if value is None else value << 20
+
+
 @dataclass(frozen=True, slots=True)
 class ServerOptions:
     """How a :class:`~dissoc.server.Server` serves: ``Server(datasets, options, **overrides)``.
@@ -88,7 +99,7 @@ class ServerOptions:
     #: transport) or ``cuda``. Only with ``body="pairs"``.
     memory: str | None = None
     #: With pairs: the size of the arena buffers are placed in and listed from (``--arena-mib``).
-    arena_bytes: int = 1 << 30
+    arena_bytes: int = field(default=1 << 30, metadata=from_option("arena_mib", _mebibytes))
     #: With pairs, a batch of a stored or in-memory dataset is placed once and stays there, listed to every
     #: client that asks with no further copy, until the arena needs the room for something else and no
     #: client holds it (:attr:`Server.placements`); False places a copy per request, freed when the client
@@ -110,11 +121,13 @@ class ServerOptions:
     max_free_data_bytes: int = DEFAULT_MAX_FREE_DATA_BYTES
     #: Bytes being received, or received and not yet taken, across all connections: a message that would go
     #: past it fails its connection (nothing is allocated for it) (``--max-receiving-mib``).
-    max_receiving_bytes: int | None = DEFAULT_MAX_RECEIVING_BYTES
+    max_receiving_bytes: int | None = field(
+        default=DEFAULT_MAX_RECEIVING_BYTES, metadata=from_option("max_receiving_mib", _mebibytes)
+    )
     #: Bytes one client may hold in listed ranges it has not freed (None: a quarter of the arena); over it,
     #: that client's stream fails with ``quota_exceeded`` and the others are served. With
     #: ``private_memory``, the size of each connection's arena (``--max-unfreed-mib``).
-    max_unfreed_bytes: int | None = None
+    max_unfreed_bytes: int | None = field(default=None, metadata=from_option("max_unfreed_mib", _mebibytes))
     #: TLS (``tcp`` transport): with ``tls_cert`` and ``tls_key`` (PEM files) both ports speak TLS and the
     #: URIs are ``tls://`` (see :mod:`dissoc.transport.tls`).
     tls_cert: str | os.PathLike[str] | None = None
@@ -278,3 +291,9 @@ class ServerOptions:
             given = fields.get("transport_options", base.transport_options)
             fields["transport_options"] = {**given, **extra}
         return dataclasses.replace(base, **fields)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **given: Any) -> Self:
+        """The options ``dissoc serve``'s arguments give (completed from the environment and the configuration
+        file: :func:`dissoc.config.layer`), ``given`` over them (the secret, read from its file)."""
+        return fill(cls, args, **given)

@@ -1,11 +1,13 @@
 """``ServerOptions``: the options a ``Server`` is built from. Its defaults are the ones ``Server`` always had,
 each check refuses a bad value before anything is built (naming the option), ``Server(d, options)`` and
-``Server(d, **fields)`` build the same server, and an unknown keyword is refused by name."""
+``Server(d, **fields)`` build the same server, an unknown keyword is refused by name, and ``dissoc serve``
+fills it from its flags, the environment and its configuration file in that order."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -13,7 +15,9 @@ import pytest
 from e2e_helpers import sample_table, within
 
 import dissoc
+from dissoc.cli import _parser, _subparser, parse_args
 from dissoc.client import fetch_async
+from dissoc.config import OPTION_KEY
 from dissoc.errors import DissocError
 from dissoc.server import Server, ServerOptions
 from dissoc.server.combined import CombinedServer
@@ -54,6 +58,21 @@ OLD_DEFAULTS: dict[str, Any] = {
     "role": "all",
     "advertise_uri": None,
     "advertise_data_uri": None,
+}
+
+#: ``dissoc serve``'s options that are the command line's own, not the server's.
+CLI_ONLY = {
+    "paths",
+    "config",
+    "log_format",
+    "log_level",
+    "device",
+    "flight",
+    "flight_read_only",
+    "flight_max_put_mib",
+    "metrics",
+    "metrics_host",
+    "secret_file",
 }
 
 URI = "tcp://10.0.0.1:9000?want_data=1"
@@ -181,6 +200,66 @@ def test_a_keyword_the_transport_takes_is_a_transport_option() -> None:
         ServerOptions.resolve(None, {"to_client": None})  # mem's fault injection, not tcp's
     with pytest.raises(TypeError):
         ServerOptions().transport_options["sndbuf"] = 1  # type: ignore[index]
+
+
+# ------------------------------------------------------------------------------------ from dissoc serve
+
+
+def serve_options(
+    tmp_path: Path, *argv: str, env: dict[str, str] | None = None, file: str | None = None
+) -> ServerOptions:
+    args = ["serve", "x.arrow", *argv]
+    if file is not None:
+        (tmp_path / "dissoc.toml").write_text(file)
+        args += ["--config", str(tmp_path / "dissoc.toml")]
+    namespace, _ = parse_args(args, environ=env or {})
+    return ServerOptions.from_args(namespace)
+
+
+def test_the_command_lines_defaults_are_the_servers(tmp_path: Path) -> None:
+    assert serve_options(tmp_path) == ServerOptions()
+
+
+def test_flags_environment_and_file_fill_the_options_in_that_order(tmp_path: Path) -> None:
+    file = (
+        'port = 7001\nhost = "0.0.0.0"\narena-mib = 8\nbody = "pairs"\nmax_receiving_mib = 0\nsplit = true\n'
+    )
+    env = {"DISSOC_PORT": "7002", "DISSOC_HOST": "10.0.0.2", "DISSOC_MAX_UNFREED_MIB": "2"}
+    options = serve_options(tmp_path, "--port", "7003", "--no-resident", env=env, file=file)
+    assert options.port == 7003  # the flag over the environment over the file
+    assert options.host == "10.0.0.2"  # the environment over the file
+    assert (options.body, options.split) == ("pairs", True)  # the file
+    assert options.arena_bytes == 8 << 20  # MiB on the command line, bytes in the options
+    assert options.max_receiving_bytes is None  # 0: no limit
+    assert options.max_unfreed_bytes == 2 << 20
+    assert options.resident is False
+    assert options == dataclasses.replace(
+        ServerOptions(),
+        port=7003,
+        host="10.0.0.2",
+        body="pairs",
+        split=True,
+        arena_bytes=8 << 20,
+        max_receiving_bytes=None,
+        max_unfreed_bytes=2 << 20,
+        resident=False,
+    )
+
+
+def test_the_command_line_values_are_checked_as_the_servers(tmp_path: Path) -> None:
+    with pytest.raises(DissocError, match="role='data' runs one half of a split server"):
+        serve_options(tmp_path, env={"DISSOC_ROLE": "data"})
+    secret = Secret(b"k" * 32)
+    assert ServerOptions.from_args(parse_args(["serve", "x"], environ={})[0], secret=secret).secret is secret
+
+
+def test_every_serve_flag_fills_a_field_or_is_the_command_lines_own() -> None:
+    """The way from a flag to the server is the field it fills: a new server flag named like no field (nor
+    pointed at by one's metadata) would be dropped on the way."""
+    dests = {a.dest for a in _subparser(_parser(), "serve")._actions if a.dest != "help"}
+    filled = {f.metadata.get(OPTION_KEY, (f.name,))[0] for f in dataclasses.fields(ServerOptions)}
+    assert dests - filled == CLI_ONLY
+    assert filled - dests == {"want_data", "free_data", "secret", "transport_options"}  # not flags
 
 
 async def test_serve_with_flight_takes_server_options() -> None:
