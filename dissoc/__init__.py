@@ -19,7 +19,7 @@ from dissoc.errors import (
 
 if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
     from dissoc.client import fetch, fetch_async, open_stream, stream_batches
-    from dissoc.server import Server
+    from dissoc.server import Server, ServerOptions
 
 __version__ = "0.2.0"
 
@@ -30,6 +30,7 @@ __all__ = [
     "RemoteError",
     "ResourceError",
     "Server",
+    "ServerOptions",
     "TransportError",
     "__version__",
     "fetch",
@@ -40,6 +41,7 @@ __all__ = [
 
 _LAZY = {
     "Server": ("dissoc.server", "Server"),
+    "ServerOptions": ("dissoc.server", "ServerOptions"),
     "fetch": ("dissoc.client", "fetch"),
     "fetch_async": ("dissoc.client", "fetch_async"),
     "open_stream": ("dissoc.client", "open_stream"),

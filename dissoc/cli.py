@@ -119,13 +119,14 @@ def _is_loopback(host: str) -> bool:
 def _parser() -> argparse.ArgumentParser:
     # The limits' defaults are the server's own (one definition each).
     from dissoc.flight.server import DEFAULT_MAX_PUT_BYTES
-    from dissoc.role_server import (
+    from dissoc.server.options import (
         DEFAULT_IDLE_TIMEOUT,
+        DEFAULT_MAX_CONNECTIONS_PER_PEER,
         DEFAULT_MAX_FREE_DATA_BYTES,
+        DEFAULT_MAX_RECEIVING_BYTES,
         DEFAULT_MAX_TICKET_BYTES,
         DEFAULT_WANT_DATA_TIMEOUT,
     )
-    from dissoc.server.server import DEFAULT_MAX_CONNECTIONS_PER_PEER, DEFAULT_MAX_RECEIVING_BYTES
     from dissoc.tokens import DEFAULT_TTL
 
     p = argparse.ArgumentParser(
@@ -453,7 +454,7 @@ def _tls_serve_options(args: argparse.Namespace) -> dict[str, Any]:
 
 async def _serve(args: argparse.Namespace) -> int:
     from dissoc.datasets import dataset_from
-    from dissoc.server import Server
+    from dissoc.server import Server, ServerOptions
     from dissoc.tokens import Secret, load_secret
 
     secret_file = _secret_file(args)
@@ -479,34 +480,7 @@ async def _serve(args: argparse.Namespace) -> int:
             datasets[name] = DeviceDataset(name, batches, schema=ds.schema)
             ds.close()
     tls = _tls_serve_options(args)
-    server = Server(
-        datasets,
-        host=args.host,
-        port=args.port,
-        transport=args.transport,
-        split=args.split,
-        data_port=args.data_port,
-        compression=args.compression,
-        body=args.body,
-        memory=args.memory,
-        resident=args.resident,
-        arena_bytes=args.arena_mib << 20,
-        max_connections=args.max_connections,
-        max_connections_per_peer=args.max_connections_per_peer,
-        want_data_timeout=args.want_data_timeout,
-        idle_timeout=args.idle_timeout,
-        max_ticket_bytes=args.max_ticket_bytes,
-        max_free_data_bytes=args.max_free_data_bytes,
-        max_receiving_bytes=None if args.max_receiving_mib is None else args.max_receiving_mib << 20,
-        max_unfreed_bytes=None if args.max_unfreed_mib is None else args.max_unfreed_mib << 20,
-        tls_handshake_timeout=args.tls_handshake_timeout,
-        **tls,
-        secret=secret,
-        private_memory=args.private_memory,
-        role=args.role,
-        advertise_uri=args.advertise_uri,
-        advertise_data_uri=args.advertise_data_uri,
-    )
+    server = Server(datasets, ServerOptions.from_args(args, secret=secret))
     async with contextlib.AsyncExitStack() as running:
         metrics_url: str | None = None
         if args.metrics is not None:

@@ -14,23 +14,32 @@ variable starting with ``DISSOC_`` that names no option is not refused: the envi
 shared with the other commands and tools (``DISSOC_TOKEN`` is ``dissoc get``'s); so only a variable that
 looks like an option's (a likely typo) is warned about.
 
-Nothing here reads sockets or starts servers: it works on an ``argparse`` parser and its result.
+The completed result then fills a dataclass of options (:func:`fill`): each field from the option of its
+name, or from the one its ``metadata`` names (:func:`from_option`), so that the way from a flag to the field
+it sets is written once, on the field. Nothing here reads sockets or starts servers: it works on an
+``argparse`` parser, its result and the dataclass it fills.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dissoc.errors import DissocError
 
-__all__ = ["ENV_PREFIX", "ConfigError", "Layered", "layer", "track_defaults"]
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+__all__ = ["ENV_PREFIX", "ConfigError", "Layered", "fill", "from_option", "layer", "track_defaults"]
+
+_Options = TypeVar("_Options", bound="DataclassInstance")
 
 #: Environment variables of options start with this, then the flag's name upper-cased with ``_`` for ``-``.
 ENV_PREFIX = "DISSOC_"
@@ -134,6 +143,33 @@ def config_path(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     if given is not _UNSET and given is not None:
         return str(given)
     return environ.get(ENV_PREFIX + "CONFIG") or None
+
+
+#: The key of a dataclass field's ``metadata`` naming the option that fills it (see :func:`from_option`).
+OPTION_KEY = "dissoc.option"
+
+
+def from_option(dest: str, convert: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+    """A dataclass field's ``metadata`` for a field that :func:`fill` takes from the option ``dest`` (its
+    ``argparse`` destination) rather than from the option of the field's own name, through ``convert`` (for
+    another unit, say)."""
+    return {OPTION_KEY: (dest, convert)}
+
+
+def fill(cls: type[_Options], args: argparse.Namespace, **given: Any) -> _Options:
+    """The dataclass ``cls`` made from ``args``, options completed by :func:`layer`: each field from the
+    option of its name, or from the one its ``metadata`` names (:func:`from_option`), converted; ``given``
+    over both. A field that no option of ``args`` fills keeps its default; options that fill no field are
+    left to the caller. The dataclass checks the values it is given, as it would anyone's."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name in given:
+            continue
+        dest, convert = f.metadata.get(OPTION_KEY, (f.name, None))
+        value = getattr(args, dest, _UNSET)
+        if value is not _UNSET:
+            values[f.name] = value if convert is None else convert(value)
+    return cls(**values, **given)
 
 
 # ------------------------------------------------------------------------------------------------ helpers

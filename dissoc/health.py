@@ -95,7 +95,7 @@ def check_sync(uri: str, *, timeout: float = DEFAULT_TIMEOUT, options: ClientOpt
 def _with_want_data(uri: str) -> DissocURI:
     """``uri`` parsed; one without ``want_data`` (``tcp://HOST:PORT``) gets the servers' default tag."""
     if "want_data=" not in uri:
-        from dissoc.server.server import DEFAULT_WANT_DATA
+        from dissoc.server.options import DEFAULT_WANT_DATA
 
         uri += ("&" if "?" in uri else "?") + f"want_data={DEFAULT_WANT_DATA}"
     return DissocURI.parse(uri)

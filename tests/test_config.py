@@ -14,8 +14,7 @@ from e2e_helpers import PYTHON, REPO
 
 from dissoc.cli import parse_args
 from dissoc.config import Layered
-from dissoc.role_server import DEFAULT_IDLE_TIMEOUT
-from dissoc.server.server import DEFAULT_MAX_CONNECTIONS_PER_PEER
+from dissoc.server.options import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS_PER_PEER
 
 
 def serve(

@@ -41,7 +41,7 @@ from dissoc.memory.cuda_arena import DeviceArena
 from dissoc.memory.pairs import ServedArena, cuda_region, open_pair_reader
 from dissoc.memory.shm import ShmArena
 from dissoc.protocol import PairList, decode_pairs, encode_pairs
-from dissoc.role_server import ServeOptions
+from dissoc.server.role import ServeOptions
 from dissoc.uri import DissocURI
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -447,7 +447,7 @@ _SERVER = textwrap.dedent(
     from dissoc.memory.cuda import get_backend
     from dissoc.memory.pairs import ServedArena
     from dissoc.data_server import DataServer
-    from dissoc.role_server import ServeOptions
+    from dissoc.server.role import ServeOptions
     from dissoc.datasets import Catalog
 
     def payload(seed, n):

@@ -16,7 +16,7 @@ from e2e_helpers import cli_server, ordered_table
 import dissoc
 from dissoc.errors import DissocError, RemoteError
 from dissoc.server import Server
-from dissoc.server.server import DEFAULT_WANT_DATA
+from dissoc.server.options import DEFAULT_WANT_DATA
 
 pytestmark = pytest.mark.timeout(90)
 

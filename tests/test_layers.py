@@ -21,9 +21,8 @@ FLOORS: list[set[str]] = [
     {"memory"},
     {"device"},
     {"datasets"},
-    {"role_server"},
-    {"metadata_server", "data_server"},
     {"server"},
+    {"metadata_server", "data_server"},  # the spec's two servers' public names, over the server room
     {"flight"},
     {"session"},
     {"client"},

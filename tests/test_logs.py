@@ -161,7 +161,7 @@ async def test_a_connection_failing_mid_stream_is_logged_with_the_stream_it_carr
     from e2e_helpers import frame, tagged
 
     from dissoc.logs import peer_log
-    from dissoc.server.server import DEFAULT_WANT_DATA
+    from dissoc.server.options import DEFAULT_WANT_DATA
 
     peer_log._last.clear()  # another test's corrupt frame within the interval would hold this line back
     table = ordered_table(50, 20_000)

@@ -21,8 +21,9 @@ from dissoc.data_server import DataPart
 from dissoc.datasets import IpcFileDataset, IpcStreamDataset
 from dissoc.metadata_server import MetadataPart
 from dissoc.protocol import EndOfStream, ErrorMessage, decode_stream_message, encode_metadata_header
-from dissoc.role_server import Outbox, ServeOptions, stream_dataset
 from dissoc.server import Server
+from dissoc.server.role import ServeOptions
+from dissoc.server.stream import Outbox, stream_dataset
 
 pytestmark = pytest.mark.timeout(60)
 

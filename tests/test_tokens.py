@@ -308,11 +308,11 @@ async def test_refused_clients_never_slow_a_well_behaved_one(
     """Hostile clients hammer the server with forged tickets on open connections while a good client fetches
     a 128 MiB dataset: its time stays within a small factor of the time alone, every refusal is counted, and
     the log holds a handful of lines, not one per refusal."""
-    import dissoc.role_server
+    import dissoc.server.role
     from dissoc.logs import RateLimitedLog
 
     # a log of its own: earlier tests' refusals must not have used up this kind's line
-    monkeypatch.setattr(dissoc.role_server, "peer_log", RateLimitedLog(logging.getLogger("dissoc.peers")))
+    monkeypatch.setattr(dissoc.server.role, "peer_log", RateLimitedLog(logging.getLogger("dissoc.peers")))
     table = ordered_table(32, 1 << 19)  # 32 batches of 512 Ki rows
     good = SECRET.mint("big")
     forged = _tamper(good, 5, "B" * 43).encode()

@@ -63,7 +63,7 @@ from dissoc.tokens import Claims, Scope, Secret, TokenError, is_signed
 if TYPE_CHECKING:
     import pyarrow.flight as paflight
 
-    from dissoc.server import Server
+    from dissoc.server import Server, ServerOptions
 
 __all__ = [
     "AUTH_HEADER",
@@ -694,6 +694,7 @@ def _tls_options(
 @contextlib.asynccontextmanager
 async def serve_with_flight(
     datasets: dict[str, Any] | None = None,
+    options: ServerOptions | None = None,
     *,
     flight_host: str | None = None,
     flight_port: int = 0,
@@ -701,25 +702,26 @@ async def serve_with_flight(
     max_put_bytes: int | None = DEFAULT_MAX_PUT_BYTES,
     **server_options: Any,
 ) -> AsyncIterator[FlightControlPlane]:
-    """A :class:`dissoc.server.Server` (``datasets``, ``**server_options``) and its control plane, started
-    together; yields the plane (``plane.server`` is the dissoc server). The plane listens on the server's
-    host unless ``flight_host`` is given, with the server's TLS certificates (``tls_cert``, ``tls_key``,
-    ``tls_client_ca``) when it has them (``grpc+tls://``), and with the server's ``secret`` when it has
-    one."""
+    """A :class:`dissoc.server.Server` (``Server(datasets, options, **server_options)``) and its control
+    plane, started together; yields the plane (``plane.server`` is the dissoc server). The plane listens on
+    the server's host unless ``flight_host`` is given, with the server's TLS certificates (``tls_cert``,
+    ``tls_key``, ``tls_client_ca``) when it has them (``grpc+tls://``), and with the server's ``secret`` when
+    it has one."""
     from dissoc.server import Server
 
-    host = flight_host if flight_host is not None else str(server_options.get("host", "127.0.0.1"))
+    server = Server(datasets, options, **server_options)
+    served = server.options
     async with (
-        Server(datasets, **server_options) as server,
+        server,
         FlightControlPlane(
             server,
-            host,
+            flight_host if flight_host is not None else served.host,
             flight_port,
             read_only=read_only,
             max_put_bytes=max_put_bytes,
-            tls_cert=server_options.get("tls_cert"),
-            tls_key=server_options.get("tls_key"),
-            tls_client_ca=server_options.get("tls_client_ca"),
+            tls_cert=served.tls_cert,
+            tls_key=served.tls_key,
+            tls_client_ca=served.tls_client_ca,
         ) as plane,
     ):
         yield plane

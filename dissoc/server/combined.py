@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dissoc.data_server import DataPart, DataServer
 from dissoc.datasets import Dataset
-from dissoc.metadata_server import MetadataPart
-from dissoc.role_server import Role, StreamPart
+from dissoc.server.data import DataPart, DataServer
+from dissoc.server.metadata import MetadataPart
+from dissoc.server.role import Role
+from dissoc.server.stream import StreamPart
 from dissoc.transport import Connection
 
 __all__ = ["CombinedServer"]
