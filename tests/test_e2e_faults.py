@@ -15,7 +15,7 @@ import dissoc.transport  # noqa: F401 - registers the "mem" transport
 from dissoc.client import ClientOptions, fetch_async
 from dissoc.errors import DissocError, ProtocolError, TransportError
 from dissoc.server import Server
-from dissoc.transport import Faults
+from dissoc.transport.inproc import Faults
 from dissoc.uri import known_schemes, register_scheme
 
 if "mem" not in known_schemes():

@@ -30,7 +30,7 @@ from dissoc.client import ClientOptions, fetch_async, settle, stream_batches
 from dissoc.errors import DissocError, TransportError
 from dissoc.memory.shm import SHM_DIR
 from dissoc.server import Server
-from dissoc.transport import Faults
+from dissoc.transport.inproc import Faults
 from dissoc.uri import known_schemes, register_scheme
 from reliability._util import serve_process, shm_segments, write_ipc
 

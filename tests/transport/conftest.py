@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from dissoc.transport import Connection, TcpConnection, connect, connect_tcp, memory_pair, serve
+from dissoc.transport import Connection, TcpConnection, connect, connect_tcp, serve
+from dissoc.transport.inproc import memory_pair
 
 
 @contextlib.asynccontextmanager

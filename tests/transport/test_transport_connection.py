@@ -446,7 +446,7 @@ def test_defaults() -> None:
     assert DEFAULT_MAX_MESSAGE_BYTES == 4 << 30
     assert DEFAULT_MAX_BUFFERED_BYTES == 256 << 20
     with pytest.raises(ValueError, match="max_buffered_bytes"):
-        from dissoc.transport import MemoryConnection
+        from dissoc.transport.inproc import MemoryConnection
 
         MemoryConnection(max_buffered_bytes=0)
 

@@ -8,17 +8,8 @@ import numpy as np
 import pytest
 
 from dissoc.errors import ResourceError, TransportError
-from dissoc.transport import (
-    Connection,
-    Faults,
-    MemoryConnection,
-    TaggedMessage,
-    connect,
-    connect_memory,
-    memory_pair,
-    serve,
-    serve_memory,
-)
+from dissoc.transport import Connection, TaggedMessage, connect, serve
+from dissoc.transport.inproc import Faults, MemoryConnection, connect_memory, memory_pair, serve_memory
 
 
 def payload_of(message: TaggedMessage) -> bytes:
