@@ -1,11 +1,11 @@
 """Transports: one small asyncio interface (:class:`Connection`, :class:`Listener`) and its implementations.
 
 - ``tcp`` (:mod:`dissoc.transport.tcp`): the default, production data path; no extra dependencies.
-- ``mem`` (:mod:`dissoc.transport.inproc`): in-process, with fault injection, for tests (import its names
+- ``inproc`` (:mod:`dissoc.transport.inproc`): in-process, with fault injection, for tests (import its names
   from there).
 
 :func:`connect` and :func:`serve` dispatch on a URI scheme (:mod:`dissoc.transport.registry`); ``ucx``
-(:mod:`dissoc.transport.ucx`), ``tls`` and ``mem`` are imported on first use of their scheme.
+(:mod:`dissoc.transport.ucx`), ``tls`` and ``inproc`` are imported on first use of their scheme.
 """
 
 from __future__ import annotations
