@@ -26,18 +26,16 @@ could, rarely, lose an add. The client adds once per burst of batches, not per b
 from __future__ import annotations
 
 import bisect
+import importlib
 import logging
 import math
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias
 
 from dissoc.errors import DissocError
-
-if TYPE_CHECKING:
-    from prometheus_client.registry import Collector, CollectorRegistry
 
 __all__ = [
     "CLIENT",
@@ -46,6 +44,7 @@ __all__ = [
     "SOURCE_METRICS",
     "TIME_BUCKETS",
     "ClientMetrics",
+    "Collector",
     "Exported",
     "Family",
     "FlightMetrics",
@@ -515,29 +514,53 @@ def client_metrics() -> dict[str, dict[Labels, float]]:
 # ---------------------------------------------------------------------------------------------- export
 
 
-def _prometheus() -> Any:
+class Collector(Protocol):
+    """What a prometheus-client registry collects from: the shape of ``prometheus_client.registry.Collector``
+    (a protocol there too), which a ``CollectorRegistry`` and :func:`collector`'s result both have. Spelled
+    here so that dissoc's signatures need no prometheus-client to type-check."""
+
+    def collect(self) -> Iterable[Any]:
+        """The metric families (``prometheus_client.Metric``) to expose now."""
+        ...
+
+
+def _prometheus(module: str = "prometheus_client") -> Any:
+    """prometheus-client's ``module``, imported on first need (by name: the ``metrics`` extra is optional, so
+    nothing of it is imported where it may be absent, for the type checker either)."""
     try:
-        import prometheus_client
+        return importlib.import_module(module)
     except ImportError:
         raise DissocError(
             "exporting metrics needs prometheus-client: pip install 'dissoc[metrics]'"
         ) from None
-    return prometheus_client
 
 
 def _metric_families(side: Literal["server", "client"] | None) -> Iterator[Any]:
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
+    core = _prometheus("prometheus_client.core")
     for f in families(side):
         metric: Any
         if f.kind == "histogram":
-            metric = HistogramMetricFamily(f.name, f.doc, buckets=list(f.buckets), sum_value=f.sum)
+            metric = core.HistogramMetricFamily(f.name, f.doc, buckets=list(f.buckets), sum_value=f.sum)
         else:
-            cls = CounterMetricFamily if f.kind == "counter" else GaugeMetricFamily
+            cls = core.CounterMetricFamily if f.kind == "counter" else core.GaugeMetricFamily
             metric = cls(f.name, f.doc, labels=list(f.labelnames))
             for key, value in sorted(f.samples.items()):
                 metric.add_metric(list(key), value)
         yield metric
+
+
+class _DissocCollector:
+    """:func:`collector`'s result (a :class:`Collector`; prometheus-client's registries take any object of
+    that shape)."""
+
+    def __init__(self, side: Literal["server", "client"] | None) -> None:
+        self._side = side
+
+    def collect(self) -> Iterable[Any]:
+        return list(_metric_families(self._side))
+
+    def describe(self) -> Iterable[Any]:
+        return []  # nothing is known up front (registering must not scrape)
 
 
 def collector(side: Literal["server", "client"] | None = None) -> Collector:
@@ -545,16 +568,7 @@ def collector(side: Literal["server", "client"] | None = None) -> Collector:
     to register in a registry of your own: ``registry.register(dissoc.metrics.collector())``. Each scrape
     reads the counts as they stand. Needs prometheus-client (``pip install 'dissoc[metrics]'``)."""
     _prometheus()
-    from prometheus_client.registry import Collector as Base
-
-    class DissocCollector(Base):
-        def collect(self) -> Iterable[Any]:
-            return list(_metric_families(side))
-
-        def describe(self) -> Iterable[Any]:
-            return []  # nothing is known up front (registering must not scrape)
-
-    return DissocCollector()
+    return _DissocCollector(side)
 
 
 class MetricsServer:
@@ -636,15 +650,16 @@ def start_http_server(
     port: int = 0,
     host: str = "127.0.0.1",
     *,
-    registry: CollectorRegistry | None = None,
+    registry: Collector | None = None,
     process: bool = True,
     max_connections: int = MAX_METRICS_CONNECTIONS,
     timeout: float = METRICS_TIMEOUT,
 ) -> MetricsServer:
     """Serve ``http://HOST:PORT/metrics`` from a daemon thread (port 0 picks a free one; see
-    :attr:`MetricsServer.url`): ``registry``, by default a fresh one holding :func:`collector` and, with
-    ``process``, prometheus-client's process, platform and garbage-collector metrics. Needs
-    prometheus-client (``pip install 'dissoc[metrics]'``); close it with :meth:`MetricsServer.close`.
+    :attr:`MetricsServer.url`): ``registry`` (a ``prometheus_client.CollectorRegistry``, or any
+    :class:`Collector`), by default a fresh one holding :func:`collector` and, with ``process``,
+    prometheus-client's process, platform and garbage-collector metrics. Needs prometheus-client (``pip
+    install 'dissoc[metrics]'``); close it with :meth:`MetricsServer.close`.
 
     Bounded like the data ports: at most ``max_connections`` connections are served at once (one more is
     closed at once, counted as the refusal ``metrics_connections``), and a connection that has not sent its
@@ -654,12 +669,13 @@ def start_http_server(
     if max_connections < 1 or not timeout > 0:
         raise DissocError(f"max_connections must be >= 1 and timeout > 0, got {max_connections}, {timeout}")
     if registry is None:
-        registry = prom.CollectorRegistry(auto_describe=True)
-        registry.register(collector())
+        fresh = prom.CollectorRegistry(auto_describe=True)
+        fresh.register(collector())
         if process:
-            prom.ProcessCollector(registry=registry)
-            prom.PlatformCollector(registry=registry)
-            prom.GCCollector(registry=registry)
+            prom.ProcessCollector(registry=fresh)
+            prom.PlatformCollector(registry=fresh)
+            prom.GCCollector(registry=fresh)
+        registry = fresh
     try:
         httpd = _serve_wsgi(prom.make_wsgi_app(registry), host, port, max_connections, timeout)
     except OSError as e:

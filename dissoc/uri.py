@@ -43,7 +43,8 @@ class UriError(DissocError, ValueError):
     """A Dissociated IPC URI is malformed or names something unknown."""
 
 
-DEFAULT_SCHEMES: Final = frozenset({"tcp", "tls", "ucx", "mem"})  # tls: tcp inside TLS; mem: tests
+# tls: tcp inside TLS; inproc: in-process, for tests (mem: its name until 0.2)
+DEFAULT_SCHEMES: Final = frozenset({"tcp", "tls", "ucx", "inproc", "mem"})
 """Schemes known without registration."""
 
 MEMORY_KINDS: Final = frozenset({"shm", "ucx", "cuda"})

@@ -2,6 +2,7 @@
 
 - sample data: a table with dictionaries, strings, nulls and nested types; an ordered table with an ``id``;
 - :func:`within`: await with a deadline, turning a hang into a test failure that says so;
+- :class:`Listings`: which ranges a server's free_data ledger was told each client was listed and let go;
 - :class:`ServerThread`: a :class:`dissoc.Server` on its own event loop in a thread, for the synchronous API;
 - :class:`RawServer`: a scripted raw TCP peer that answers a want_data request with whatever bytes a test
   wants (valid frames built with :func:`untagged` / :func:`tagged`, or garbage);
@@ -21,11 +22,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import pyarrow as pa
+import pytest
+
+from dissoc.protocol.ledger import Ledger
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -128,6 +134,51 @@ def listener_connections(server: Any) -> int | None:
             return None
         total += max(len(conns), len(tasks) if tasks is not None else 0)
     return total
+
+
+class Listings:
+    """What the free_data ledgers (:class:`~dissoc.protocol.ledger.Ledger`) of this test's servers are told,
+    by client: the ranges listed to it (``record``) and the ranges it let go (what ``free_ranges`` and
+    ``drop`` return), spied on the class with ``monkeypatch``. A ledger answers how many bytes a client holds
+    (``live_bytes_of``, what the servers ask it); the clients, and which ranges each holds, are named here."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self._listed: dict[Hashable, Counter[tuple[int, int]]] = {}
+        record, free_ranges, drop = Ledger.record, Ledger.free_ranges, Ledger.drop
+
+        def listing(client: Hashable) -> Counter[tuple[int, int]]:
+            return self._listed.setdefault(client, Counter())
+
+        def spied_record(ledger: Ledger, client: Hashable, pairs: Any) -> int:
+            rows = pairs.tolist() if isinstance(pairs, np.ndarray) else list(pairs)
+            added = record(ledger, client, pairs if isinstance(pairs, np.ndarray) else rows)
+            listing(client).update((int(o), int(n)) for o, n in rows if n)
+            return added
+
+        def spied_free_ranges(ledger: Ledger, client: Hashable, addresses: Any) -> list[tuple[int, int]]:
+            freed = free_ranges(ledger, client, addresses)
+            listing(client).subtract(freed)
+            return freed
+
+        def spied_drop(ledger: Ledger, client: Hashable) -> list[tuple[int, int]]:
+            dropped = drop(ledger, client)
+            listing(client).subtract(dropped)
+            return dropped
+
+        monkeypatch.setattr(Ledger, "record", spied_record)
+        monkeypatch.setattr(Ledger, "free_ranges", spied_free_ranges)
+        monkeypatch.setattr(Ledger, "drop", spied_drop)
+
+    def clients(self) -> list[Hashable]:
+        """Every client listed a range so far, in the order of their first listing."""
+        return list(self._listed)
+
+    def held(self, client: Hashable) -> list[tuple[int, int]]:
+        """The (offset, length) ranges listed to ``client`` and not let go, sorted."""
+        return sorted(+self._listed.get(client, Counter()))
+
+    def held_bytes(self, client: Hashable) -> int:
+        return sum(n for _, n in self.held(client))
 
 
 # ------------------------------------------------------------------------------------------- server thread

@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 import pytest
-from e2e_helpers import PYTHON, REPO, ServerThread, cli_server, eventually, read_lines
+from e2e_helpers import PYTHON, REPO, Listings, ServerThread, cli_server, eventually, read_lines
 
 from dissoc.client import (
     ClientOptions,
@@ -346,7 +346,7 @@ async def _held_until_released(server: Server) -> None:
     )
     ledger = server.ledger
     assert ledger is not None
-    assert await eventually(lambda: ledger.live_bytes == 0 and not ledger.clients(), 10), repr(ledger)
+    assert await eventually(lambda: ledger.live_bytes == 0, 10), repr(ledger)
 
 
 # ------------------------------------------------------------------------------------- (1) landing matrix
@@ -510,9 +510,10 @@ def _inside(ranges: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]])
 
 
 async def test_zero_copy_device_batches_are_the_servers_arena_until_released(
-    fake: CountingFake, stream_file: Path, expected: pa.Table
+    fake: CountingFake, stream_file: Path, expected: pa.Table, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     source = _device_batches_of_stream(stream_file, fake)
+    listings = Listings(monkeypatch)
     async with Server({TICKET: source}, body="pairs", memory="cuda", arena_bytes=8 << 20) as srv:
         arena, ledger, placements = srv.arena, srv.ledger, srv.placements
         assert isinstance(arena, DeviceArena) and ledger is not None and placements is not None
@@ -534,15 +535,14 @@ async def test_zero_copy_device_batches_are_the_servers_arena_until_released(
         del ids, mapping
 
         # The ledger holds exactly the ranges behind the batches' bodies, listed to this one client.
-        clients = ledger.clients()
-        assert len(clients) == 1
-        client = clients[0]
-        ranges = ledger.ranges_of(client)
+        (client,) = listings.clients()
+        ranges = listings.held(client)
         all_spans = list(spans.values())
         assert _inside(ranges, all_spans) == ranges
         assert all(_inside(ranges, [span]) for span in all_spans)
         held = ledger.live_bytes
-        assert held == sum(n for _, n in ranges) > 0 and placements.held_bytes > 0
+        assert held == ledger.live_bytes_of(client) == sum(n for _, n in ranges) > 0
+        assert placements.held_bytes > 0
         assert not await eventually(lambda: ledger.live_bytes < held, 0.3), "freed while the batches live"
 
         # Releasing the first batch frees its own record batch only: its dictionary is the base the second
@@ -556,10 +556,8 @@ async def test_zero_copy_device_batches_are_the_servers_arena_until_released(
         left = _inside(ranges, kept)
         assert 0 < len(left) < len(ranges)
         gc.collect()
-        assert await eventually(lambda: ledger.ranges_of(client) == left, 10), (
-            ledger.ranges_of(client),
-            left,
-        )
+        assert await eventually(lambda: listings.held(client) == left, 10), (listings.held(client), left)
+        assert ledger.live_bytes_of(client) == sum(n for _, n in left)
         assert DeviceBatch.to_table(got).equals(pa.Table.from_batches(expected.to_batches()[1:]))
 
         # Releasing the rest frees everything, and this process unmaps the arena.
@@ -578,7 +576,7 @@ async def test_copied_device_batches_free_at_once_and_are_private(
         assert isinstance(arena, DeviceArena) and ledger is not None
         got = await fetch_device_async(srv.uri, TICKET, options=ClientOptions(timeout=20))
         # freed while the batches are still alive: they are copies
-        assert await eventually(lambda: ledger.live_bytes == 0 and not ledger.clients(), 10), repr(ledger)
+        assert await eventually(lambda: ledger.live_bytes == 0, 10), repr(ledger)
         assert all(_mapping_of(m.body) is None for b in got for m in b.messages)
         # the server scribbles over its whole arena: the client's batches do not change
         _host(arena.allocation.array)[:] = 0xAB

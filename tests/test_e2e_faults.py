@@ -1,4 +1,4 @@
-"""A real Server and client joined by the in-memory transport with injected faults (server -> client):
+"""A real Server and client joined by the in-process transport with injected faults (server -> client):
 reordering must be absorbed by sequence numbers; duplicates are protocol errors; drops and cuts fail with a
 DissocError, quickly, never a hang."""
 
@@ -11,15 +11,10 @@ import pyarrow as pa
 import pytest
 from e2e_helpers import assert_ids_in_order, eventually, listener_connections, ordered_table, within
 
-import dissoc.transport  # noqa: F401 - registers the "mem" transport
 from dissoc.client import ClientOptions, fetch_async
 from dissoc.errors import DissocError, ProtocolError, TransportError
 from dissoc.server import Server
-from dissoc.transport import Faults
-from dissoc.uri import known_schemes, register_scheme
-
-if "mem" not in known_schemes():
-    register_scheme("mem")
+from dissoc.transport.inproc import Faults
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -35,7 +30,7 @@ _names = itertools.count()
 def _server(faults: Faults | None = None, to_server: Faults | None = None) -> Server:
     return Server(
         {"t": TABLE},
-        transport="mem",
+        transport="inproc",
         host=f"e2e-faults-{next(_names)}",
         to_client=faults,
         to_server=to_server,
@@ -57,7 +52,7 @@ async def _fetch(server: Server, timeout: float) -> tuple[pa.Table | BaseExcepti
 
 async def test_no_faults_baseline() -> None:
     async with _server() as server:
-        assert server.uri.startswith("mem://")
+        assert server.uri.startswith("inproc://")
         got, _ = await _fetch(server, 5)
     assert isinstance(got, pa.Table)
     assert got.equals(TABLE)

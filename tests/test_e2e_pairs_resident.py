@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+from e2e_helpers import Listings
 
 from dissoc.client import ClientOptions, fetch_async, stream_batches
 from dissoc.errors import RemoteError
@@ -150,10 +151,13 @@ async def test_a_stored_dataset_is_placed_once_for_every_client(
 # ----------------------------------------------------------------------------------------------------- (2)
 
 
-async def test_two_zero_copy_clients_share_a_placement_and_each_frees_only_its_own(tmp_path: Path) -> None:
+async def test_two_zero_copy_clients_share_a_placement_and_each_frees_only_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     batches = _batches(3)
     expected = pa.Table.from_batches(batches)
     path = _ipc_file(tmp_path / "stored.arrow", batches)
+    listings = Listings(monkeypatch)
     async with Server({"stored": path}, body="pairs", arena_bytes=32 << 20) as srv:
         assert srv.arena is not None and srv.placements is not None and srv.ledger is not None
         arena, placements, ledger = srv.arena, srv.placements, srv.ledger
@@ -161,20 +165,25 @@ async def test_two_zero_copy_clients_share_a_placement_and_each_frees_only_its_o
         got = list(await asyncio.gather(*(_fetch_all(srv, "stored", ZERO_COPY) for _ in range(2))))
         assert all(t.equals(expected) for t in got)
         assert placed.calls == len(batches), "two clients, one placement per batch"
-        clients = ledger.clients()
+        clients = listings.clients()
         assert len(clients) == 2
-        listed = [ledger.ranges_of(c) for c in clients]
+        listed = [listings.held(c) for c in clients]
         assert listed[0] and listed[0] == listed[1], "both clients hold the same ranges"
-        assert all(sorted(map(id, ledger.holders_of(o))) == sorted(map(id, clients)) for o, _ in listed[0])
+        shared = listings.held_bytes(clients[0])
+        # each holds all of it, and it is live once: the same memory
+        assert [ledger.live_bytes_of(c) for c in clients] == [shared, shared] and ledger.live_bytes == shared
         used, allocations = arena.used_bytes, arena.allocations
 
         # The first client lets go: its listing ends, the ranges stay for the other.
         del got[0]
         _released()
-        assert await _until(lambda: len(ledger.clients()) == 1), "the first client's frees never arrived"
-        (holder,) = ledger.clients()
-        assert ledger.ranges_of(holder) == listed[0]
-        assert all(ledger.holders_of(o) == [holder] for o, _ in listed[0])
+        assert await _until(lambda: sorted(ledger.live_bytes_of(c) for c in clients) == [0, shared]), (
+            "the first client's frees never arrived"
+        )
+        (holder,) = [c for c in clients if ledger.live_bytes_of(c)]
+        (gone,) = [c for c in clients if c is not holder]
+        assert listings.held(holder) == listed[0] and listings.held(gone) == []
+        assert ledger.live_bytes == shared
         assert arena.used_bytes == used and arena.allocations == allocations
         assert placements.held_bytes == used
         assert got[0].equals(expected)
@@ -188,11 +197,14 @@ async def test_two_zero_copy_clients_share_a_placement_and_each_frees_only_its_o
 # ----------------------------------------------------------------------------------------------------- (3)
 
 
-async def test_a_dataset_larger_than_the_arena_evicts_only_what_nobody_holds(tmp_path: Path) -> None:
+async def test_a_dataset_larger_than_the_arena_evicts_only_what_nobody_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # 10 batches of 800 KB through a 4 MiB arena (room for 5): resident placements must be evicted, but
     # never the two batches a zero-copy client keeps.
     batches = _big_batches(10)
     path = _ipc_file(tmp_path / "big.arrow", batches)
+    listings = Listings(monkeypatch)
     # The client keeps two batches while streaming: more than the default quota (a quarter of the arena).
     async with Server({"big": path}, body="pairs", arena_bytes=4 << 20, max_unfreed_bytes=4 << 20) as srv:
         assert srv.arena is not None and srv.placements is not None and srv.ledger is not None
@@ -207,11 +219,10 @@ async def test_a_dataset_larger_than_the_arena_evicts_only_what_nobody_holds(tmp
             del b
         assert n == 10
         _released()
-        assert await _until(
-            lambda: len(ledger.clients()) == 1 and len(ledger.ranges_of(ledger.clients()[0])) == 2
-        )
-        (holder,) = ledger.clients()
-        held = {o for o, _ in ledger.ranges_of(holder)}
+        assert await _until(lambda: len(listings.held(listings.clients()[0])) == 2)
+        (holder,) = listings.clients()
+        assert ledger.live_bytes_of(holder) == listings.held_bytes(holder) == ledger.live_bytes
+        held = {o for o, _ in listings.held(holder)}
         placed = _Placed(arena)  # from here on: every new placement
 
         for options in (COPY, COPY, ZERO_COPY):
@@ -228,8 +239,10 @@ async def test_a_dataset_larger_than_the_arena_evicts_only_what_nobody_holds(tmp
         assert placed.calls > 0 and placements.evicted > 0
         assert not held & set(placed.offsets), "a range a client holds was placed over"
         assert placements.hits >= 3 * 2  # the held batches were listed from their placements every time
-        assert await _until(lambda: ledger.clients() == [holder])
-        assert {o for o, _ in ledger.ranges_of(holder)} == held
+        others = [c for c in listings.clients() if c is not holder]
+        assert await _until(lambda: not any(ledger.live_bytes_of(c) for c in others))
+        assert {o for o, _ in listings.held(holder)} == held
+        assert ledger.live_bytes_of(holder) == listings.held_bytes(holder) == ledger.live_bytes
         del kept
         _released()
         assert await _until(lambda: placements.held_bytes == 0)
@@ -258,34 +271,39 @@ async def _remote_error(conn: Any) -> RemoteError:
 
 
 async def test_freeing_a_range_listed_only_to_another_client_is_rejected_for_that_client_only(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     batches = _batches(3)
     expected = pa.Table.from_batches(batches)
     path = _ipc_file(tmp_path / "stored.arrow", batches)
+    listings = Listings(monkeypatch)
     async with Server({"stored": path}, body="pairs", arena_bytes=32 << 20) as srv:
         assert srv.ledger is not None and srv.placements is not None
         ledger = srv.ledger
         uri = DissocURI.parse(srv.uri)
         assert uri.free_data is not None
         held = await _fetch_all(srv, "stored", ZERO_COPY)
-        (holder,) = ledger.clients()
-        mine = ledger.ranges_of(holder)
+        (holder,) = listings.clients()
+        mine = listings.held(holder)
+        assert ledger.live_bytes_of(holder) == listings.held_bytes(holder) > 0
 
         # The rogue is listed the same resident ranges, frees them (fine), then frees them again.
         rogue, offsets = await _raw_fetch(uri.port, uri.want_data, b"stored", len(batches))
         assert sorted(offsets) == [o for o, _ in mine]
-        assert await _until(lambda: len(ledger.clients()) == 2)
+        (rogue_at_server,) = [c for c in listings.clients() if c is not holder]
+        assert listings.held(rogue_at_server) == mine
         await rogue.send_tagged(uri.free_data, encode_free(offsets))
-        assert await _until(lambda: ledger.clients() == [holder])
+        assert await _until(lambda: ledger.live_bytes_of(rogue_at_server) == 0)
+        assert listings.held(rogue_at_server) == []
         await rogue.send_tagged(uri.free_data, encode_free(offsets[:1]))
         error = await _remote_error(rogue)
         assert "another client" in str(error) and f"{offsets[0]:#x}" in str(error)
         await rogue.close()
 
-        # Nothing changed for the holder: its listing, and the memory under its batches.
-        assert ledger.clients() == [holder] and ledger.ranges_of(holder) == mine
-        assert all(ledger.holders_of(o) == [holder] for o, _ in mine)
+        # Nothing changed for the holder: its listing (and it alone holds the ranges), and the memory under
+        # its batches.
+        assert listings.held(holder) == mine and listings.held(rogue_at_server) == []
+        assert ledger.live_bytes_of(holder) == listings.held_bytes(holder) == ledger.live_bytes
         assert held.equals(expected)
         assert (await _fetch_all(srv, "stored")).equals(expected)
         del held
@@ -379,11 +397,14 @@ async def test_without_residency_every_request_places_its_own_copy(
 # ---------------------------------------------------------------------------------------------- one client
 
 
-async def test_a_client_asking_again_while_holding_gets_a_copy_of_its_own(tmp_path: Path) -> None:
+async def test_a_client_asking_again_while_holding_gets_a_copy_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # free_data lists a range once per client: a connection that still holds a resident batch and asks for
     # it again gets a private copy, freed on its own.
     batches = _batches(2)
     path = _ipc_file(tmp_path / "f.arrow", batches)
+    listings = Listings(monkeypatch)
     async with Server({"f": path}, body="pairs", arena_bytes=32 << 20) as srv:
         assert srv.ledger is not None and srv.placements is not None and srv.arena is not None
         ledger, placements, arena = srv.ledger, srv.placements, srv.arena
@@ -398,7 +419,9 @@ async def test_a_client_asking_again_while_holding_gets_a_copy_of_its_own(tmp_pa
         assert not set(first) & set(second)
         assert all(placements.is_resident(o) for o in first)
         assert not any(placements.is_resident(o) for o in second)
-        assert await _until(lambda: len(ledger.ranges_of(ledger.clients()[0])) == len(first) + len(second))
+        (client,) = listings.clients()
+        assert sorted(o for o, _ in listings.held(client)) == sorted(first + second)
+        assert ledger.live_bytes_of(client) == listings.held_bytes(client)
         resident = placements.resident_bytes
         await conn.send_tagged(uri.free_data, encode_free(second))
         assert await _until(lambda: arena.used_bytes == resident)  # the private copy went at once

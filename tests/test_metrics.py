@@ -26,8 +26,10 @@ from dissoc.server import Server
 from dissoc.tokens import Secret
 from dissoc.transport import connect
 
+# By name, as dissoc.metrics does: the metrics extra is optional, for mypy too (tests/test_house.py).
 prometheus_client = pytest.importorskip("prometheus_client")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+parser = pytest.importorskip("prometheus_client.parser")
+text_string_to_metric_families = parser.text_string_to_metric_families
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -124,7 +124,7 @@ def test_memory_kinds(kind: str) -> None:
 @pytest.mark.parametrize(
     ("text", "match"),
     [
-        ("http://h:1?want_data=1", "expected one of mem, tcp, tls, ucx.*'http'"),
+        ("http://h:1?want_data=1", "expected one of inproc, mem, tcp, tls, ucx.*'http'"),
         ("h:1?want_data=1", "SCHEME://HOST:PORT"),
         ("tcp://h:1", "want_data"),
         ("tcp://h:1?free_data=2", "want_data"),

@@ -46,7 +46,7 @@ from dissoc.codec.plan import (
     exclusive_cumsum,
     remember,
 )
-from dissoc.codec.schema import DictionaryInfo, Layout, SchemaInfo, decode_schema, map_type
+from dissoc.codec.schema import Layout, SchemaInfo, decode_schema, map_type
 from dissoc.codec.sizes import (
     DATA,
     OFF4,
@@ -315,9 +315,6 @@ class MessageDecoder:
             )
         log.debug("dictionary id=%#x delta=%s length=%d", dict_id, is_delta, len(values))
         self.dictionaries[dict_id] = values
-
-    def dictionary_info(self, dict_id: int) -> DictionaryInfo | None:
-        return None if self._info is None else self._info.dictionaries.get(dict_id)
 
     # ------------------------------------------------------------------------------------------ batches
 

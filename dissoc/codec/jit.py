@@ -25,6 +25,7 @@ Nothing is written to disk (no numba cache).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
@@ -87,12 +88,11 @@ class Kernel:
 
     def compile(self) -> None:
         try:
-            import numba
-            from numba import types
-
+            # By name: the jit extra is optional, so nothing imports numba where mypy may not find it.
+            numba = importlib.import_module("numba")
             if getattr(numba.config, "DISABLE_JIT", False):
                 raise ImportError("numba's JIT is disabled (NUMBA_DISABLE_JIT)")
-            self.value = self.build(numba, types)
+            self.value = self.build(numba, numba.types)
             self.state = "ready"
             log.debug("compiled %s ready (numba %s)", self.what, numba.__version__)
         except Exception as exc:  # no numba (ImportError), or one that cannot compile here

@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final, TypedDict, TypeVar, Unpack
 
 import pyarrow as pa
 
@@ -35,7 +35,18 @@ from dissoc.uri import DissocURI, UriError
 if TYPE_CHECKING:
     import pyarrow.flight as paflight
 
-__all__ = ["DatasetInfo", "describe", "list_actions", "list_datasets", "publish", "remove", "resolve"]
+__all__ = [
+    "CallOptions",
+    "DatasetInfo",
+    "describe",
+    "list_actions",
+    "list_datasets",
+    "publish",
+    "remove",
+    "resolve",
+]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,31 +111,52 @@ def _tls_arguments(tls_ca: PemPath, tls_cert: PemPath, tls_key: PemPath) -> dict
     return arguments
 
 
-@contextlib.contextmanager
-def _client(
-    location: str, what: str, tls_ca: PemPath = None, tls_cert: PemPath = None, tls_key: PemPath = None
-) -> Iterator[paflight.FlightClient]:
-    """A FlightClient to ``location``; every pyarrow error inside the block becomes a dissoc error."""
+class CallOptions(TypedDict, total=False):
+    """What every call of this module takes besides its own arguments, each optional:
+
+    - ``timeout``: the seconds the call may take (:data:`~dissoc.flight.common.DEFAULT_TIMEOUT`; None: no
+      bound, :func:`publish`'s default);
+    - ``tls_ca``, ``tls_cert``, ``tls_key``: for a ``grpc+tls://`` location, the CA bundle the control
+      plane's certificate must be signed by (None: the system's roots) and this client's certificate and
+      key, for a plane that requires one (PEM files);
+    - ``token``: a signed ticket sent as ``authorization: Bearer TOKEN`` to a control plane with a secret.
+    """
+
+    timeout: float | None
+    tls_ca: PemPath
+    tls_cert: PemPath
+    tls_key: PemPath
+    token: str | None
+
+
+def _call(
+    location: str,
+    what: str,
+    call: Callable[[Any, Any], T],
+    options: CallOptions,
+    *,
+    timeout: float | None = DEFAULT_TIMEOUT,
+) -> T:
+    """``call(client, call_options)`` with a FlightClient to ``location`` (closed after) and the call options
+    of ``options`` (its timeout, else ``timeout``; ``authorization: Bearer TOKEN`` when there is a token):
+    every pyarrow error in it becomes the dissoc error it means, naming ``what`` and ``location``."""
     flight = flight_module()
     check_location(location)
-    tls = _tls_arguments(tls_ca, tls_cert, tls_key)
+    tls = _tls_arguments(options.get("tls_ca"), options.get("tls_cert"), options.get("tls_key"))
+    token = options.get("token")
+    headers = [] if token is None else [(b"authorization", b"Bearer " + token.encode("ascii"))]
+    call_options = flight.FlightCallOptions(timeout=options.get("timeout", timeout), headers=headers)
     try:
         client = flight.FlightClient(location, **tls)
     except (pa.ArrowException, OSError, ValueError) as e:
         raise UriError(f"Flight location {location!r}: {e}") from None
     try:
-        yield client
+        return call(client, call_options)
     except (pa.ArrowException, OSError) as e:
         raise _translate(e, what, location) from None
     finally:
         with contextlib.suppress(Exception):
             client.close()
-
-
-def _call_options(timeout: float | None, token: str | None = None) -> paflight.FlightCallOptions:
-    """Call options: the timeout, and ``authorization: Bearer TOKEN`` when there is a token."""
-    headers = [] if token is None else [(b"authorization", b"Bearer " + token.encode("ascii"))]
-    return flight_module().FlightCallOptions(timeout=timeout, headers=headers)
 
 
 def _credentials(ticket: str | bytes, token: str | None) -> tuple[str | bytes, str | None]:
@@ -190,86 +222,48 @@ def _parse_info(info: paflight.FlightInfo, where: str) -> DatasetInfo:
     )
 
 
-def describe(
-    location: str,
-    ticket: str | bytes,
-    *,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    tls_ca: PemPath = None,
-    tls_cert: PemPath = None,
-    tls_key: PemPath = None,
-    token: str | None = None,
-) -> DatasetInfo:
-    """GetFlightInfo for the dataset ``ticket`` (descriptor ``for_path(name)``), checked.
-
-    For a ``grpc+tls://`` location, ``tls_ca`` is the CA bundle the control plane's certificate must be
-    signed by (None: the system's roots) and ``tls_cert``/``tls_key`` this client's certificate, for a plane
-    that requires one; the other calls of this module take the same arguments.
-
-    ``token``: a signed ticket sent as ``authorization: Bearer TOKEN`` to a control plane with a secret (a
-    signed ticket given as ``ticket`` serves as the token for the name it carries)."""
+def describe(location: str, ticket: str | bytes, **options: Unpack[CallOptions]) -> DatasetInfo:
+    """GetFlightInfo for the dataset ``ticket`` (descriptor ``for_path(name)``), checked; ``options``: see
+    :class:`CallOptions` (a signed ticket given as ``ticket``, with no ``token``, serves as the token for the
+    name it carries)."""
     flight = flight_module()
-    ticket, token = _credentials(ticket, token)
+    ticket, token = _credentials(ticket, options.get("token"))
+    options["token"] = token
     what = f"GetFlightInfo({ticket!r})"
-    with _client(location, what, tls_ca, tls_cert, tls_key) as client:
-        info = client.get_flight_info(flight.FlightDescriptor.for_path(ticket), _call_options(timeout, token))
+    descriptor = flight.FlightDescriptor.for_path(ticket)
+    info = _call(location, what, lambda client, call: client.get_flight_info(descriptor, call), options)
     return _parse_info(info, f"{what} at {location}")
 
 
-def resolve(
-    location: str,
-    ticket: str | bytes,
-    *,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    tls_ca: PemPath = None,
-    tls_cert: PemPath = None,
-    tls_key: PemPath = None,
-    token: str | None = None,
-) -> list[Endpoint]:
+def resolve(location: str, ticket: str | bytes, **options: Unpack[CallOptions]) -> list[Endpoint]:
     """The endpoints of dataset ``ticket`` at the Flight control plane ``location``:
-    ``[(metadata URI, data URI, ticket), ...]``, from GetFlightInfo.
+    ``[(metadata URI, data URI, ticket), ...]``, from GetFlightInfo (:func:`describe`, the same options).
 
     Raises TransportError (unreachable, or no answer within ``timeout`` seconds), RemoteError (the control
     plane refused, e.g. code ``unknown_ticket``), ProtocolError (an endpoint without two dissoc URIs), or
-    UriError (``location`` is not ``grpc://HOST:PORT``). With a ``token`` (see :func:`describe`), the
-    endpoints' tickets are signed tickets the control plane made for this dataset.
+    UriError (``location`` is not ``grpc://HOST:PORT``). With a ``token``, the endpoints' tickets are signed
+    tickets the control plane made for this dataset.
     """
-    return describe(
-        location, ticket, timeout=timeout, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token
-    ).endpoints
+    return describe(location, ticket, **options).endpoints
 
 
-def list_datasets(
-    location: str,
-    *,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    tls_ca: PemPath = None,
-    tls_cert: PemPath = None,
-    tls_key: PemPath = None,
-    token: str | None = None,
-) -> list[DatasetInfo]:
+def list_datasets(location: str, **options: Unpack[CallOptions]) -> list[DatasetInfo]:
     """Every dataset the control plane at ``location`` lists (ListFlights), with its endpoints (with a
     ``token``, those it grants)."""
     what = "ListFlights"
-    with _client(location, what, tls_ca, tls_cert, tls_key) as client:
-        infos = list(client.list_flights(b"", _call_options(timeout, token)))
+    infos = _call(location, what, lambda client, call: list(client.list_flights(b"", call)), options)
     return [_parse_info(info, f"{what} at {location}") for info in infos]
 
 
-def list_actions(
-    location: str,
-    *,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    tls_ca: PemPath = None,
-    tls_cert: PemPath = None,
-    tls_key: PemPath = None,
-    token: str | None = None,
-) -> list[str]:
+def list_actions(location: str, **options: Unpack[CallOptions]) -> list[str]:
     """The action types the control plane at ``location`` offers (ListActions): the cheapest call that
     shows it serves (``dissoc health``)."""
-    what = "ListActions"
-    with _client(location, what, tls_ca, tls_cert, tls_key) as client:
-        return [str(a.type) for a in client.list_actions(_call_options(timeout, token))]
+    return _call(
+        location,
+        "ListActions",
+        lambda client, call: [str(a.type) for a in client.list_actions(call)],
+        options,
+    )
 
 
 def publish(
@@ -278,17 +272,13 @@ def publish(
     data: pa.Table | pa.RecordBatch | pa.RecordBatchReader,
     *,
     replace: bool = False,
-    timeout: float | None = None,
-    tls_ca: PemPath = None,
-    tls_cert: PemPath = None,
-    tls_key: PemPath = None,
-    token: str | None = None,
+    **options: Unpack[CallOptions],
 ) -> int:
     """Upload ``data`` with DoPut; the control plane's dissoc server then serves it as ``name``.
 
     A name already served is refused (RemoteError ``already_exists``) unless ``replace``. ``timeout`` bounds
-    the whole upload (None: no bound). Returns the number of rows the server stored (-1 when the service
-    acknowledged in some other way than a dissoc control plane does).
+    the whole upload (default None: no bound). Returns the number of rows the server stored (-1 when the
+    service acknowledged in some other way than a dissoc control plane does).
     """
     flight = flight_module()
     if isinstance(data, pa.RecordBatch):
@@ -301,36 +291,33 @@ def publish(
         descriptor = flight.FlightDescriptor.for_command(json.dumps({"name": name, "replace": True}))
     else:
         descriptor = flight.FlightDescriptor.for_path(name)
-    what = f"DoPut({name!r})"
-    with _client(location, what, tls_ca, tls_cert, tls_key) as client:
-        writer, ack_reader = client.do_put(descriptor, data.schema, _call_options(timeout, token))
+    source = data
+
+    def upload(client: Any, call: Any) -> Any:
+        writer, ack_reader = client.do_put(descriptor, source.schema, call)
         with writer:  # close() reports the server's verdict
-            if isinstance(data, pa.Table):
-                writer.write_table(data)
+            if isinstance(source, pa.Table):
+                writer.write_table(source)
             else:
-                for batch in data:
+                for batch in source:
                     writer.write_batch(batch)
             writer.done_writing()
-            ack = ack_reader.read()
+            return ack_reader.read()
+
+    ack = _call(location, f"DoPut({name!r})", upload, options, timeout=None)
     try:
         return int(json.loads(ack.to_pybytes())["rows"]) if ack is not None else -1
     except (ValueError, KeyError, TypeError):
         return -1
 
 
-def remove(
-    location: str,
-    name: str | bytes,
-    *,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    tls_ca: PemPath = None,
-    tls_cert: PemPath = None,
-    tls_key: PemPath = None,
-    token: str | None = None,
-) -> None:
+def remove(location: str, name: str | bytes, **options: Unpack[CallOptions]) -> None:
     """Stop serving dataset ``name`` (the ``remove`` action); RemoteError ``unknown_ticket`` if not served."""
     flight = flight_module()
-    body = name.encode("utf-8") if isinstance(name, str) else bytes(name)
-    what = f"action remove({name!r})"
-    with _client(location, what, tls_ca, tls_cert, tls_key) as client:
-        list(client.do_action(flight.Action(ACTION_REMOVE, body), _call_options(timeout, token)))
+    action = flight.Action(ACTION_REMOVE, name.encode("utf-8") if isinstance(name, str) else bytes(name))
+    _call(
+        location,
+        f"action remove({name!r})",
+        lambda client, call: list(client.do_action(action, call)),
+        options,
+    )

@@ -136,13 +136,6 @@ class Placements:
         with self._lock:
             return len({id(p) for p in self._by_offset.values()})
 
-    def holders_of(self, offset: int) -> list[Hashable]:
-        """The clients holding the resident placement that ``offset`` belongs to (``[]`` if none or if the
-        offset is not resident)."""
-        with self._lock:
-            p = self._by_offset.get(offset)
-            return list(p.holders) if p is not None else []
-
     def is_resident(self, offset: int) -> bool:
         with self._lock:
             return offset in self._by_offset

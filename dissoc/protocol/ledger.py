@@ -7,15 +7,16 @@ tagged <free_data> message is received"). The :class:`Ledger` is that bookkeepin
 no memory and does no I/O. The driver calls
 
 * :meth:`Ledger.record` after listing ranges to a client,
-* :meth:`Ledger.free` when a free_data message arrives (then lets go of the freed ranges for that client),
+* :meth:`Ledger.free_ranges` when a free_data message arrives (then lets go of the freed ranges for that
+  client),
 * :meth:`Ledger.drop` when a client disconnects (then lets go of everything returned, for that client),
-* :meth:`Ledger.would_fit` before placing a batch, to keep the bytes outstanding under ``capacity_bytes``,
-  and :meth:`Ledger.fits_quota` to keep one client's under its quota.
+* :meth:`Ledger.fits_quota` before listing a batch, to keep one client's bytes under its quota
+  (:meth:`Ledger.live_bytes_of`).
 
 Ranges are keyed by their offset/address. A range may be live for *several* clients at once -- a resident
 placement (:mod:`dissoc.memory.placements`) is listed to every client that asks for it -- and then each of
 those clients holds its own listing of it and frees that listing once; the memory itself may be reused only
-when no client holds it any more (:meth:`Ledger.holders_of` is empty), which is the driver's business. Within
+when no client holds it any more, which is the driver's business (the placements count their holders). Within
 one client an offset is live at most once. Zero-length ranges (the ``(0, 0)`` pairs of empty buffers) are
 never recorded, so a client must not list them in free_data.
 """
@@ -55,10 +56,10 @@ def _as_u64(value: object, what: str) -> int:
 class Ledger:
     """Per-client live ranges awaiting free_data; a range may be listed to several clients at once.
 
-    ``client`` keys are opaque and hashable (a connection object, an id...). ``capacity_bytes`` bounds the
-    bytes outstanding as far as :meth:`would_fit` is concerned; :meth:`record` itself does not refuse ranges
-    (the memory is already placed by then), so the driver asks :meth:`would_fit` (or waits on its arena)
-    *before* placing a batch.
+    ``client`` keys are opaque and hashable (a connection object, an id...). ``capacity_bytes`` is the size
+    of the memory the ranges lie in (the driver's quotas are parts of it); :meth:`record` itself does not
+    refuse ranges (the memory is already placed by then), so the driver asks :meth:`fits_quota` (and waits on
+    its arena) *before* placing a batch.
 
     Bytes are counted two ways: :attr:`live_bytes` counts each live range once, however many clients hold
     it (the memory pinned), while :meth:`live_bytes_of` counts what one client holds, so a range shared by
@@ -83,7 +84,7 @@ class Ledger:
 
     @property
     def capacity_bytes(self) -> int:
-        """The bound :meth:`would_fit` checks against."""
+        """The bytes of the memory the listed ranges lie in (what the driver's quotas are parts of)."""
         return self._capacity
 
     @property
@@ -91,48 +92,14 @@ class Ledger:
         """Bytes of the ranges live for at least one client, each range counted once."""
         return self._live_bytes
 
-    @property
-    def live_ranges(self) -> int:
-        """Number of distinct live ranges (a range listed to several clients counts once)."""
-        return len(self._length)
-
     def live_bytes_of(self, client: Hashable) -> int:
         """Bytes ``client`` still holds, shared ranges included (0 for a client the ledger does not know)."""
         return self._bytes_of.get(client, 0)
-
-    def ranges_of(self, client: Hashable) -> list[tuple[int, int]]:
-        """The (offset, length) ranges ``client`` still holds, sorted by offset."""
-        return sorted(self._by_client.get(client, {}).items())
-
-    def clients(self) -> list[Hashable]:
-        """Clients that hold at least one live range."""
-        return list(self._by_client)
-
-    def holders_of(self, offset: int) -> list[Hashable]:
-        """The clients holding the live range at ``offset``, in the order it was listed to them (``[]`` when
-        none does: the memory there may be reused as far as the free_data rules go)."""
-        return list(self._holders.get(offset, ()))
-
-    def owner_of(self, offset: int) -> Hashable | None:
-        """The first client still holding the range at ``offset``, or ``None`` (see :meth:`holders_of`; the
-        two agree while a range has at most one holder)."""
-        holders = self._holders.get(offset)
-        return next(iter(holders)) if holders else None
-
-    def would_fit(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more could be listed without exceeding ``capacity_bytes`` (shared ranges count
-        once, as in :attr:`live_bytes`)."""
-        if nbytes < 0:
-            raise ValueError(f"nbytes: expected a non-negative int, got {nbytes!r}")
-        return self._live_bytes + nbytes <= self._capacity
 
     def fits_quota(self, client: Hashable, nbytes: int, quota: int) -> bool:
         """Whether ``client`` could be listed ``nbytes`` more and hold at most ``quota`` bytes (shared ranges
         count in full for each client holding them, as in :meth:`live_bytes_of`)."""
         return self._bytes_of.get(client, 0) + nbytes <= quota
-
-    def __len__(self) -> int:
-        return len(self._length)
 
     def __repr__(self) -> str:
         return (
@@ -173,7 +140,7 @@ class Ledger:
             if live is not None and live != length:
                 raise ValueError(
                     f"ledger: expected offset {offset:#x} with its live length {live}, got length {length} "
-                    f"(listed to {self.holders_of(offset)!r})"
+                    f"(listed to {list(self._holders[offset])!r})"
                 )
             new[offset] = length
         if not new:
@@ -196,11 +163,10 @@ class Ledger:
     ) -> list[tuple[int, int]]:
         """Free ``client``'s listing of ``addresses`` (one free_data message); returns the ranges it let go.
 
-        Other clients' listings of the same ranges are untouched (see :meth:`holders_of` for whether a range
-        is now free of every client). All-or-nothing: if any address is not a live range of ``client`` --
-        unknown, already freed by it, repeated in the message, or listed only to other clients -- raises
-        :class:`~dissoc.errors.ProtocolError` naming it and frees nothing of this message. The caller then
-        answers that client only; other clients' ranges are never touched.
+        Other clients' listings of the same ranges are untouched. All-or-nothing: if any address is not a
+        live range of ``client`` -- unknown, already freed by it, repeated in the message, or listed only to
+        other clients -- raises :class:`~dissoc.errors.ProtocolError` naming it and frees nothing of this
+        message. The caller then answers that client only; other clients' ranges are never touched.
         """
         mine = self._by_client.get(client, {})
         seen: set[int] = set()
@@ -240,10 +206,6 @@ class Ledger:
             del self._by_client[client]
             del self._bytes_of[client]
         return released
-
-    def free(self, client: Hashable, addresses: Sequence[int] | Iterable[int]) -> int:
-        """Like :meth:`free_ranges`, returning the number of bytes ``client`` let go."""
-        return sum(length for _, length in self.free_ranges(client, addresses))
 
     def drop(self, client: Hashable) -> list[tuple[int, int]]:
         """Forget ``client`` (it disconnected); returns exactly its live ranges, sorted, for the caller to let

@@ -1,10 +1,11 @@
 """Transports: one small asyncio interface (:class:`Connection`, :class:`Listener`) and its implementations.
 
 - ``tcp`` (:mod:`dissoc.transport.tcp`): the default, production data path; no extra dependencies.
-- ``mem`` (:mod:`dissoc.transport.inproc`): in-process, with fault injection, for tests.
+- ``inproc`` (:mod:`dissoc.transport.inproc`): in-process, with fault injection, for tests (import its names
+  from there).
 
 :func:`connect` and :func:`serve` dispatch on a URI scheme (:mod:`dissoc.transport.registry`); ``ucx``
-(:mod:`dissoc.transport.ucx`) is imported on first use of its scheme.
+(:mod:`dissoc.transport.ucx`), ``tls`` and ``inproc`` are imported on first use of their scheme.
 """
 
 from __future__ import annotations
@@ -23,15 +24,6 @@ from dissoc.transport.base import (
     MessageTooLargeError,
     SendData,
 )
-from dissoc.transport.inproc import (
-    Faults,
-    FaultStats,
-    MemoryConnection,
-    MemoryListener,
-    connect_memory,
-    memory_pair,
-    serve_memory,
-)
 from dissoc.transport.message import TaggedMessage
 from dissoc.transport.registry import connect, register_transport, registered_schemes, serve
 from dissoc.transport.tcp import TcpConnection, TcpListener, connect_tcp, serve_tcp
@@ -47,13 +39,9 @@ __all__ = [
     "BufferPool",
     "BytesLike",
     "Connection",
-    "FaultStats",
-    "Faults",
     "FrameError",
     "Handler",
     "Listener",
-    "MemoryConnection",
-    "MemoryListener",
     "MessageTooLargeError",
     "SendData",
     "TaggedMessage",
@@ -61,13 +49,10 @@ __all__ = [
     "TcpListener",
     "aligned_empty",
     "connect",
-    "connect_memory",
     "connect_tcp",
     "default_allocator",
-    "memory_pair",
     "register_transport",
     "registered_schemes",
     "serve",
-    "serve_memory",
     "serve_tcp",
 ]

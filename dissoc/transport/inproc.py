@@ -1,14 +1,18 @@
-"""An in-memory transport (scheme ``mem``) with fault injection, for tests.
+"""The in-process transport (scheme ``inproc``) with fault injection, for tests.
 
-:func:`memory_pair` joins two :class:`MemoryConnection` ends inside one event loop; :func:`serve_memory` and
-:func:`connect_memory` do the same through a named listener, so a whole server and client can run over
-``mem://NAME:0``. Each direction can be given :class:`Faults`: reordering within a window, delay,
+:func:`inproc_pair` joins two :class:`InprocConnection` ends inside one event loop; :func:`serve_inproc` and
+:func:`connect_inproc` do the same through a named listener, so a whole server and client can run over
+``inproc://NAME:0``. Each direction can be given :class:`Faults`: reordering within a window, delay,
 duplicated, dropped or corrupted messages, and a cut of the connection after N messages or N bytes. Faults are
 drawn from a seeded random generator, so a failing case can be replayed.
 
 Messages are copied when sent (the sender may reuse its buffers at once, as with a socket) and tagged
 payloads are placed through the receiver's allocator, like the TCP transport. Limits and backpressure behave
 as over TCP: a sender waits while the receiver holds ``max_buffered_bytes`` of unclaimed messages.
+
+Until 0.2 it was called the memory transport (``MemoryConnection``, ``memory_pair``, ``mem://``...), but in
+dissoc "memory" is where pair lists point (:mod:`dissoc.memory`); the old names stay, as aliases, for one
+release.
 """
 
 from __future__ import annotations
@@ -40,11 +44,11 @@ from dissoc.transport.registry import register_transport
 __all__ = [
     "FaultStats",
     "Faults",
-    "MemoryConnection",
-    "MemoryListener",
-    "connect_memory",
-    "memory_pair",
-    "serve_memory",
+    "InprocConnection",
+    "InprocListener",
+    "connect_inproc",
+    "inproc_pair",
+    "serve_inproc",
 ]
 
 logger = logging.getLogger(__name__)
@@ -52,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Faults:
-    """Faults injected into one direction of an in-memory connection.
+    """Faults injected into one direction of an in-process connection.
 
     Message indices count the messages sent in that direction, from 0, dropped ones included.
 
@@ -126,7 +130,7 @@ class _Channel:
     """One direction: sender -> faults -> receiver's inbox."""
 
     def __init__(
-        self, sender: MemoryConnection, receiver: MemoryConnection, faults: Faults | None, seed_offset: int
+        self, sender: InprocConnection, receiver: InprocConnection, faults: Faults | None, seed_offset: int
     ) -> None:
         self.sender = sender
         self.receiver = receiver
@@ -316,8 +320,8 @@ class _Channel:
                 self.space.set()
 
 
-class MemoryConnection(Connection):
-    """One end of an in-memory connection (see :func:`memory_pair`)."""
+class InprocConnection(Connection):
+    """One end of an in-process connection (see :func:`inproc_pair`)."""
 
     def __init__(
         self,
@@ -325,7 +329,7 @@ class MemoryConnection(Connection):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
         allocator: Allocator | None = None,
-        description: str = "mem",
+        description: str = "inproc",
         receive_budget: ReceiveBudget | None = None,
     ) -> None:
         super().__init__(
@@ -337,7 +341,7 @@ class MemoryConnection(Connection):
         )
         self._out: _Channel | None = None
         self._in: _Channel | None = None
-        self._peer: MemoryConnection | None = None
+        self._peer: InprocConnection | None = None
         self._send_lock = asyncio.Lock()
 
     @property
@@ -403,7 +407,7 @@ class MemoryConnection(Connection):
 
 
 def _join(
-    a: MemoryConnection, b: MemoryConnection, a_to_b: Faults | None, b_to_a: Faults | None, offset: int
+    a: InprocConnection, b: InprocConnection, a_to_b: Faults | None, b_to_a: Faults | None, offset: int
 ) -> None:
     a._peer = b
     b._peer = a
@@ -411,7 +415,7 @@ def _join(
     b._out = a._in = _Channel(b, a, b_to_a, 2 * offset + 1)
 
 
-def memory_pair(
+def inproc_pair(
     a_to_b: Faults | None = None,
     b_to_a: Faults | None = None,
     *,
@@ -420,11 +424,11 @@ def memory_pair(
     allocator: Allocator | None = None,
     name: str = "pair",
     **faults: Any,
-) -> tuple[MemoryConnection, MemoryConnection]:
-    """Two connected in-memory ends ``(a, b)``.
+) -> tuple[InprocConnection, InprocConnection]:
+    """Two connected in-process ends ``(a, b)``.
 
     ``a_to_b`` / ``b_to_a`` are the faults of each direction; keyword arguments naming :class:`Faults` fields
-    are a shorthand for ``a_to_b`` (``memory_pair(drop={1}, seed=7)``). The limits and allocator apply to both
+    are a shorthand for ``a_to_b`` (``inproc_pair(drop={1}, seed=7)``). The limits and allocator apply to both
     ends. Use inside a running event loop.
     """
     if faults:
@@ -436,26 +440,26 @@ def memory_pair(
         "max_buffered_bytes": max_buffered_bytes,
         "allocator": allocator,
     }
-    a = MemoryConnection(description=f"mem {name} a->b", **limits)
-    b = MemoryConnection(description=f"mem {name} b->a", **limits)
+    a = InprocConnection(description=f"inproc {name} a->b", **limits)
+    b = InprocConnection(description=f"inproc {name} b->a", **limits)
     _join(a, b, a_to_b, b_to_a, 0)
     return a, b
 
 
-_LISTENERS: dict[str, MemoryListener] = {}
+_LISTENERS: dict[str, InprocListener] = {}
 _names = itertools.count(1)
 
 
-class MemoryListener(Listener):
-    """An in-memory server endpoint, reachable by name with :func:`connect_memory` (``mem://NAME:0``).
+class InprocListener(Listener):
+    """An in-process server endpoint, reachable by name with :func:`connect_inproc` (``inproc://NAME:0``).
 
     ``to_client`` / ``to_server`` are the faults applied to each connection accepted here (unless the
     connecting side gives its own); a seeded generator is offset by the connection's number, so runs replay.
-    At ``max_connections`` a connect fails with :class:`~dissoc.errors.TransportError`; in-memory peers have
+    At ``max_connections`` a connect fails with :class:`~dissoc.errors.TransportError`; in-process peers have
     no address, so ``max_connections_per_peer`` is accepted and does nothing.
     """
 
-    scheme = "mem"
+    scheme = "inproc"
 
     def __init__(
         self,
@@ -494,7 +498,7 @@ class MemoryListener(Listener):
 
     @property
     def port(self) -> int:
-        """The port given when serving (kept for ``mem://NAME:PORT`` addresses; it means nothing else)."""
+        """The port given when serving (kept for ``inproc://NAME:PORT`` addresses; it means nothing else)."""
         return self._port
 
     def _accept(
@@ -502,16 +506,16 @@ class MemoryListener(Listener):
         client_limits: dict[str, Any],
         recv_faults: Faults | None,
         send_faults: Faults | None,
-    ) -> MemoryConnection:
+    ) -> InprocConnection:
         if self._full():
             raise TransportError(
-                f"cannot connect to mem://{self._name}:{self._port}: {self.open_connections} connections are "
-                "open (max_connections)"
+                f"cannot connect to inproc://{self._name}:{self._port}: {self.open_connections} connections "
+                "are open (max_connections)"
             )
         number = self._accepted
         self._accepted += 1
-        server = MemoryConnection(description=f"mem {self._name}#{number} server", **self._limits)
-        client = MemoryConnection(description=f"mem {self._name}#{number} client", **client_limits)
+        server = InprocConnection(description=f"inproc {self._name}#{number} server", **self._limits)
+        client = InprocConnection(description=f"inproc {self._name}#{number} client", **client_limits)
         to_client = recv_faults if recv_faults is not None else self._to_client
         to_server = send_faults if send_faults is not None else self._to_server
         _join(server, client, to_client, to_server, number)
@@ -524,7 +528,7 @@ class MemoryListener(Listener):
             del _LISTENERS[self._name]
 
 
-async def serve_memory(
+async def serve_inproc(
     name: str,
     port: int,
     handler: Handler,
@@ -537,14 +541,14 @@ async def serve_memory(
     max_connections: int | None = None,
     max_connections_per_peer: int | None = None,
     receive_budget: ReceiveBudget | None = None,
-) -> MemoryListener:
-    """Serve in memory under ``name`` (an empty name picks a fresh one); see :class:`MemoryListener`."""
+) -> InprocListener:
+    """Serve in-process under ``name`` (an empty name picks a fresh one); see :class:`InprocListener`."""
     if not name:
-        name = f"mem-{next(_names)}"
+        name = f"inproc-{next(_names)}"
     current = _LISTENERS.get(name)
     if current is not None and current.is_serving and not current._loop.is_closed():
-        raise TransportError(f"cannot listen on mem://{name}:{port}: the name is in use")
-    listener = MemoryListener(
+        raise TransportError(f"cannot listen on inproc://{name}:{port}: the name is in use")
+    listener = InprocListener(
         name,
         port,
         handler,
@@ -561,7 +565,7 @@ async def serve_memory(
     return listener
 
 
-async def connect_memory(
+async def connect_inproc(
     name: str,
     port: int = 0,
     *,
@@ -571,15 +575,15 @@ async def connect_memory(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
     allocator: Allocator | None = None,
-) -> MemoryConnection:
-    """Connect to the in-memory listener ``name``; ``recv_faults``/``send_faults`` override its faults.
+) -> InprocConnection:
+    """Connect to the in-process listener ``name``; ``recv_faults``/``send_faults`` override its faults.
 
     ``port`` and ``timeout`` are accepted for symmetry with TCP and otherwise ignored.
     """
     del port, timeout
     listener = _LISTENERS.get(name)
     if listener is None or not listener.is_serving or listener._loop is not asyncio.get_running_loop():
-        raise TransportError(f"cannot connect to mem://{name}: no in-memory listener of that name")
+        raise TransportError(f"cannot connect to inproc://{name}: no in-process listener of that name")
     limits: dict[str, Any] = {
         "max_message_bytes": max_message_bytes,
         "max_buffered_bytes": max_buffered_bytes,
@@ -588,4 +592,12 @@ async def connect_memory(
     return listener._accept(limits, recv_faults, send_faults)
 
 
-register_transport("mem", connect_memory, serve_memory)
+register_transport("inproc", connect_inproc, serve_inproc)
+
+# The names of 0.2, kept for one release: the old scheme, and the old names as aliases of the new.
+register_transport("mem", connect_inproc, serve_inproc)
+MemoryConnection = InprocConnection
+MemoryListener = InprocListener
+memory_pair = inproc_pair
+serve_memory = serve_inproc
+connect_memory = connect_inproc

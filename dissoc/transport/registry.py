@@ -1,8 +1,9 @@
-"""The scheme registry: ``tcp``, ``tls``, ``mem``, ``ucx``, ... mapped to their ``connect``/``serve``
+"""The scheme registry: ``tcp``, ``tls``, ``inproc``, ``ucx``, ... mapped to their ``connect``/``serve``
 functions.
 
-Each transport module registers itself when imported (:func:`register_transport`); ``ucx`` and ``tls`` are
-imported only when their scheme is first used, so that importing :mod:`dissoc` never imports ucxx or ssl.
+Each transport module registers itself when imported (:func:`register_transport`); ``ucx``, ``tls`` and
+``inproc`` are imported only when their scheme is first used, so that importing :mod:`dissoc` never imports
+ucxx or ssl, nor the in-process transport of the tests.
 """
 
 from __future__ import annotations
@@ -28,8 +29,14 @@ class _Entry:
 
 
 _REGISTRY: dict[str, _Entry] = {}
-# Imported on first use: ucx needs ucxx; tls loads OpenSSL, which plaintext users need not pay for.
-_LAZY: dict[str, str] = {"ucx": "dissoc.transport.ucx", "tls": "dissoc.transport.tls"}
+# Imported on first use: ucx needs ucxx; tls loads OpenSSL, which plaintext users need not pay for; inproc
+# is for tests (mem: its name until 0.2).
+_LAZY: dict[str, str] = {
+    "ucx": "dissoc.transport.ucx",
+    "tls": "dissoc.transport.tls",
+    "inproc": "dissoc.transport.inproc",
+    "mem": "dissoc.transport.inproc",
+}
 
 
 def register_transport(scheme: str, connect: ConnectFunction, serve: ServeFunction) -> None:
@@ -60,7 +67,7 @@ def _entry(scheme: str) -> _Entry:
 
 
 async def connect(scheme: str, host: str, port: int, **options: Any) -> Connection:
-    """Connect with the transport registered for ``scheme`` (``tcp``, ``mem``, ...)."""
+    """Connect with the transport registered for ``scheme`` (``tcp``, ``inproc``, ...)."""
     return await _entry(scheme).connect(host, port, **options)
 
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import socket
 import struct
 from collections import deque
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
 
 import pyarrow as pa
 
@@ -52,16 +53,22 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 __all__ = [
+    "DEFAULT_BACKLOG",
+    "DEFAULT_CONNECT_TIMEOUT",
     "HEADER_SIZE",
     "KIND_TAGGED",
     "KIND_UNTAGGED",
+    "ConnectOptions",
+    "ListenOptions",
     "TcpConnection",
     "TcpListener",
     "connect_socket",
+    "connect_stream",
     "connect_tcp",
     "decode_header",
     "listen_socket",
     "encode_header",
+    "serve_stream",
     "serve_tcp",
 ]
 
@@ -912,11 +919,58 @@ class TcpListener(Listener):
         logger.debug("stopped listening on %s", self.address)
 
 
+#: The listening socket's backlog (:class:`ListenOptions`).
+DEFAULT_BACKLOG = 128
+#: Seconds a connection (and a TLS handshake) may take by default (:class:`ConnectOptions`).
+DEFAULT_CONNECT_TIMEOUT = 10.0
+
+
+class ListenOptions(TypedDict, total=False):
+    """What :func:`serve_tcp` takes besides the address and handler (and
+    :func:`~dissoc.transport.tls.serve_tls` besides its TLS context), each optional:
+
+    - ``backlog`` (:data:`DEFAULT_BACKLOG`): the listening socket's;
+    - ``max_message_bytes``, ``max_buffered_bytes``, ``allocator``: each accepted connection's limits and
+      receive buffers (see :class:`TcpConnection`);
+    - ``sndbuf``/``rcvbuf``: the kernel socket buffer sizes (default: the kernel's autotuning);
+    - ``max_connections``, ``max_connections_per_peer`` and ``receive_budget``: what peers may hold (see
+      :class:`TcpListener` and :class:`~dissoc.transport.base.ReceiveBudget`; None: unbounded).
+    """
+
+    backlog: int
+    max_message_bytes: int
+    max_buffered_bytes: int
+    allocator: Allocator | None
+    sndbuf: int | None
+    rcvbuf: int | None
+    max_connections: int | None
+    max_connections_per_peer: int | None
+    receive_budget: ReceiveBudget | None
+
+
+class ConnectOptions(TypedDict, total=False):
+    """What :func:`connect_tcp` takes besides the address (and :func:`~dissoc.transport.tls.connect_tls`
+    besides its TLS context), each optional: ``timeout`` (:data:`DEFAULT_CONNECT_TIMEOUT` seconds; None: no
+    limit), the connection's ``max_message_bytes``, ``max_buffered_bytes`` and ``allocator`` (see
+    :class:`TcpConnection`), and the kernel socket buffer sizes ``sndbuf``/``rcvbuf``."""
+
+    timeout: float | None
+    max_message_bytes: int
+    max_buffered_bytes: int
+    allocator: Allocator | None
+    sndbuf: int | None
+    rcvbuf: int | None
+
+
+ListenerT = TypeVar("ListenerT", bound=TcpListener)
+ConnectionT = TypeVar("ConnectionT", bound=TcpConnection)
+
+
 async def listen_socket(
     host: str,
     port: int,
     *,
-    backlog: int = 128,
+    backlog: int = DEFAULT_BACKLOG,
     sndbuf: int | None = None,
     rcvbuf: int | None = None,
     scheme: str = "tcp",
@@ -943,52 +997,44 @@ async def listen_socket(
     return sock
 
 
-async def serve_tcp(
+async def serve_stream(
+    scheme: str,
     host: str,
     port: int,
     handler: Handler,
-    *,
-    backlog: int = 128,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
-    allocator: Allocator | None = None,
-    sndbuf: int | None = None,
-    rcvbuf: int | None = None,
-    max_connections: int | None = None,
-    max_connections_per_peer: int | None = None,
-    receive_budget: ReceiveBudget | None = None,
-) -> TcpListener:
-    """Listen on ``host:port`` (port 0 picks a free one) and run ``handler(connection)`` per connection.
-
-    ``sndbuf``/``rcvbuf`` set the kernel socket buffer sizes (default: the kernel's autotuning);
-    ``max_connections``, ``max_connections_per_peer`` and ``receive_budget`` bound what peers may hold (see
-    :class:`TcpListener` and :class:`~dissoc.transport.base.ReceiveBudget`; None: unbounded). TLS is the
-    ``tls`` scheme's :func:`dissoc.transport.tls.serve_tls`, with the same options.
-    """
-    sock = await listen_socket(host, port, backlog=backlog, sndbuf=sndbuf, rcvbuf=rcvbuf)
+    listener: Callable[..., ListenerT],
+    options: ListenOptions,
+) -> ListenerT:
+    """What :func:`serve_tcp` and :func:`~dissoc.transport.tls.serve_tls` do: listen on ``host:port``
+    (``scheme`` names it in errors) and make ``listener(sock, handler, **options)`` over the socket (which
+    is closed if that fails); ``backlog`` is the socket's."""
+    sock = await listen_socket(
+        host,
+        port,
+        backlog=options.get("backlog", DEFAULT_BACKLOG),
+        sndbuf=options.get("sndbuf"),
+        rcvbuf=options.get("rcvbuf"),
+        scheme=scheme,
+    )
     try:
-        return TcpListener(
-            sock,
-            handler,
-            max_message_bytes=max_message_bytes,
-            max_buffered_bytes=max_buffered_bytes,
-            allocator=allocator,
-            sndbuf=sndbuf,
-            rcvbuf=rcvbuf,
-            max_connections=max_connections,
-            max_connections_per_peer=max_connections_per_peer,
-            receive_budget=receive_budget,
-        )
+        return listener(sock, handler, **{k: v for k, v in options.items() if k != "backlog"})
     except BaseException:
         sock.close()
         raise
+
+
+async def serve_tcp(host: str, port: int, handler: Handler, **options: Unpack[ListenOptions]) -> TcpListener:
+    """Listen on ``host:port`` (port 0 picks a free one) and run ``handler(connection)`` per connection;
+    ``options``: see :class:`ListenOptions`. TLS is the ``tls`` scheme's
+    :func:`dissoc.transport.tls.serve_tls`, with the same options."""
+    return await serve_stream("tcp", host, port, handler, TcpListener, options)
 
 
 async def connect_socket(
     host: str,
     port: int,
     *,
-    timeout: float | None = 10.0,
+    timeout: float | None = DEFAULT_CONNECT_TIMEOUT,
     sndbuf: int | None = None,
     rcvbuf: int | None = None,
     scheme: str = "tcp",
@@ -1022,30 +1068,35 @@ async def connect_socket(
     raise TransportError(f"cannot connect to {where}: {last or 'no address found'}") from last
 
 
-async def connect_tcp(
-    host: str,
-    port: int,
-    *,
-    timeout: float | None = 10.0,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
-    allocator: Allocator | None = None,
-    sndbuf: int | None = None,
-    rcvbuf: int | None = None,
-) -> TcpConnection:
-    """Connect to ``host:port``; raises :class:`~dissoc.errors.TransportError` on failure or timeout."""
-    sock = await connect_socket(host, port, timeout=timeout, sndbuf=sndbuf, rcvbuf=rcvbuf)
+async def connect_stream(
+    scheme: str, host: str, port: int, connection: Callable[..., ConnectionT], options: ConnectOptions
+) -> ConnectionT:
+    """What :func:`connect_tcp` and :func:`~dissoc.transport.tls.connect_tls` do: connect to ``host:port``
+    within ``timeout`` (``scheme`` names the target in errors) and make ``connection(sock, **limits)`` over
+    the socket (which is closed if that fails), the limits being ``options`` but for the socket's own."""
+    sock = await connect_socket(
+        host,
+        port,
+        timeout=options.get("timeout", DEFAULT_CONNECT_TIMEOUT),
+        sndbuf=options.get("sndbuf"),
+        rcvbuf=options.get("rcvbuf"),
+        scheme=scheme,
+    )
     try:
-        return TcpConnection(
-            sock,
-            max_message_bytes=max_message_bytes,
-            max_buffered_bytes=max_buffered_bytes,
-            allocator=allocator,
-            staging_bytes=_CONNECT_STAGING_BYTES,
+        return connection(
+            sock, **{k: v for k, v in options.items() if k not in ("timeout", "sndbuf", "rcvbuf")}
         )
     except BaseException:
         sock.close()
         raise
+
+
+async def connect_tcp(host: str, port: int, **options: Unpack[ConnectOptions]) -> TcpConnection:
+    """Connect to ``host:port`` (``options``: see :class:`ConnectOptions`); raises
+    :class:`~dissoc.errors.TransportError` on failure or timeout."""
+    # (the connections a client opens stage larger reads: see _CONNECT_STAGING_BYTES)
+    connection = functools.partial(TcpConnection, staging_bytes=_CONNECT_STAGING_BYTES)
+    return await connect_stream("tcp", host, port, connection, options)
 
 
 register_transport("tcp", connect_tcp, serve_tcp)

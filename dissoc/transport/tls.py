@@ -38,7 +38,7 @@ import socket
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, Unpack
 
 from dissoc.errors import DissocError, TransportError
 from dissoc.logs import peer_log
@@ -56,10 +56,13 @@ from dissoc.transport.tcp import (
     _DIRECT_READ_MIN,
     _READ_BUDGET,
     _STAGING_BYTES,
+    DEFAULT_CONNECT_TIMEOUT,
+    ConnectOptions,
+    ListenOptions,
     TcpConnection,
     TcpListener,
-    connect_socket,
-    listen_socket,
+    connect_stream,
+    serve_stream,
 )
 
 __all__ = [
@@ -684,43 +687,18 @@ async def serve_tls(
     *,
     tls: ssl.SSLContext | None = None,
     handshake_timeout: float | None = DEFAULT_HANDSHAKE_TIMEOUT,
-    backlog: int = 128,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
-    allocator: Allocator | None = None,
-    sndbuf: int | None = None,
-    rcvbuf: int | None = None,
-    max_connections: int | None = None,
-    max_connections_per_peer: int | None = None,
-    receive_budget: ReceiveBudget | None = None,
+    **options: Unpack[ListenOptions],
 ) -> TlsListener:
-    """:func:`~dissoc.transport.tcp.serve_tcp` over TLS with the server context ``tls`` (required; see
-    :func:`server_context`). A connection that has not completed its handshake ``handshake_timeout`` seconds
-    after it was accepted is dropped (None: never)."""
+    """:func:`~dissoc.transport.tcp.serve_tcp` over TLS (the same ``options``) with the server context ``tls``
+    (required; see :func:`server_context`). A connection that has not completed its handshake
+    ``handshake_timeout`` seconds after it was accepted is dropped (None: never)."""
     if not isinstance(tls, ssl.SSLContext):
         raise TransportError(
             "serving tls:// needs a server TLS context (tls=dissoc.transport.tls.server_context(cert, key)); "
             f"got {tls!r}"
         )
-    sock = await listen_socket(host, port, backlog=backlog, sndbuf=sndbuf, rcvbuf=rcvbuf, scheme="tls")
-    try:
-        return TlsListener(
-            sock,
-            handler,
-            context=tls,
-            handshake_timeout=handshake_timeout,
-            max_message_bytes=max_message_bytes,
-            max_buffered_bytes=max_buffered_bytes,
-            allocator=allocator,
-            sndbuf=sndbuf,
-            rcvbuf=rcvbuf,
-            max_connections=max_connections,
-            max_connections_per_peer=max_connections_per_peer,
-            receive_budget=receive_budget,
-        )
-    except BaseException:
-        sock.close()
-        raise
+    listener = functools.partial(TlsListener, context=tls, handshake_timeout=handshake_timeout)
+    return await serve_stream("tls", host, port, handler, listener, options)
 
 
 async def connect_tls(
@@ -729,14 +707,10 @@ async def connect_tls(
     *,
     tls: ssl.SSLContext | None = None,
     server_hostname: str | None = None,
-    timeout: float | None = 10.0,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
-    allocator: Allocator | None = None,
-    sndbuf: int | None = None,
-    rcvbuf: int | None = None,
+    **options: Unpack[ConnectOptions],
 ) -> TlsConnection:
-    """Connect to ``host:port`` and complete a TLS handshake, within ``timeout`` seconds for both.
+    """:func:`~dissoc.transport.tcp.connect_tcp` over TLS (the same ``options``): connect to ``host:port``
+    and complete a TLS handshake, within ``timeout`` seconds for both.
 
     ``tls``: the client context (:func:`client_context`; None: the system's roots, no client certificate).
     The server's certificate must name ``server_hostname`` (default ``host``). Raises
@@ -745,26 +719,25 @@ async def connect_tls(
     certificate after the client's side of the handshake, so that shows on the first receive instead).
     """
     context = tls if tls is not None else cached_client_context()
+    timeout = options.get("timeout", DEFAULT_CONNECT_TIMEOUT)
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
-    sock = await connect_socket(host, port, timeout=timeout, sndbuf=sndbuf, rcvbuf=rcvbuf, scheme="tls")
-    try:
-        conn = TlsConnection(
-            sock,
-            context,
-            server_side=False,
-            server_hostname=server_hostname or host,
-            handshake_timeout=None,
-            max_message_bytes=max_message_bytes,
-            max_buffered_bytes=max_buffered_bytes,
-            allocator=allocator,
-        )
-    except (ssl.SSLError, OSError, ValueError) as exc:
-        sock.close()
-        raise TransportError(f"cannot start TLS to tls://{host}:{port}: {exc}") from None
-    except BaseException:
-        sock.close()
-        raise
+
+    def start(sock: socket.socket, **limits: Any) -> TlsConnection:
+        try:
+            # (no handshake timeout of its own: it is waited for below, within what is left of ``timeout``)
+            return TlsConnection(
+                sock,
+                context,
+                server_side=False,
+                server_hostname=server_hostname or host,
+                handshake_timeout=None,
+                **limits,
+            )
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            raise TransportError(f"cannot start TLS to tls://{host}:{port}: {exc}") from None
+
+    conn = await connect_stream("tls", host, port, start, options)
     try:
         async with asyncio.timeout(None if deadline is None else max(0.0, deadline - loop.time())):
             await conn.handshake()

@@ -25,17 +25,12 @@ import pyarrow as pa
 import pytest
 from e2e_helpers import PYTHON, REPO, eventually, listener_connections, ordered_table, within
 
-import dissoc.transport  # noqa: F401 - registers the "mem" transport
 from dissoc.client import ClientOptions, fetch_async, settle, stream_batches
 from dissoc.errors import DissocError, TransportError
 from dissoc.memory.shm import SHM_DIR
 from dissoc.server import Server
-from dissoc.transport import Faults
-from dissoc.uri import known_schemes, register_scheme
+from dissoc.transport.inproc import Faults
 from reliability._util import serve_process, shm_segments, write_ipc
-
-if "mem" not in known_schemes():
-    register_scheme("mem")
 
 pytestmark = pytest.mark.slow
 
@@ -263,7 +258,7 @@ def _mem_server(**options: Any) -> Server:
     # Split: an in-process listener is known by its name alone, so the two servers cannot share one; an
     # empty name gives each listener a fresh one.
     host = "" if options.get("split") else f"reliability-faults-{next(_names)}"
-    return Server({"t": TABLE}, transport="mem", host=host, **options)
+    return Server({"t": TABLE}, transport="inproc", host=host, **options)
 
 
 def _check(got: pa.Table | BaseException, what: str, corrupted: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""Fixtures for the transport tests: connected pairs over TCP and in memory, and a raw-socket peer."""
+"""Fixtures for the transport tests: connected pairs over TCP and in-process, and a raw-socket peer."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from dissoc.transport import Connection, TcpConnection, connect, connect_tcp, memory_pair, serve
+from dissoc.transport import Connection, TcpConnection, connect, connect_tcp, serve
+from dissoc.transport.inproc import inproc_pair
 
 
 @contextlib.asynccontextmanager
@@ -51,9 +52,9 @@ def tcp_pair(
 
 
 @contextlib.asynccontextmanager
-async def mem_pair(**options: Any) -> AsyncIterator[tuple[Connection, Connection]]:
-    """Two joined in-memory ends."""
-    a, b = memory_pair(**options)
+async def joined_inproc(**options: Any) -> AsyncIterator[tuple[Connection, Connection]]:
+    """Two joined in-process ends."""
+    a, b = inproc_pair(**options)
     try:
         yield a, b
     finally:
@@ -63,16 +64,16 @@ async def mem_pair(**options: Any) -> AsyncIterator[tuple[Connection, Connection
 
 @contextlib.asynccontextmanager
 async def make_pair(kind: str, **options: Any) -> AsyncIterator[tuple[Connection, Connection]]:
-    """A connected pair of the given kind (``tcp`` or ``mem``); ``options`` are limits for both ends."""
+    """A connected pair of the given kind (``tcp`` or ``inproc``); ``options`` are limits for both ends."""
     if kind == "tcp":
         async with tcp_pair(options, options) as pair:
             yield pair
     else:
-        async with mem_pair(**options) as pair:
+        async with joined_inproc(**options) as pair:
             yield pair
 
 
-@pytest.fixture(params=["tcp", "mem"])
+@pytest.fixture(params=["tcp", "inproc"])
 def kind(request: pytest.FixtureRequest) -> str:
     """The transport under test."""
     return str(request.param)

@@ -1,4 +1,4 @@
-"""Behaviour every transport shares (run over TCP and in memory): messages, tags, masks, placement."""
+"""Behaviour every transport shares (run over TCP and in-process): messages, tags, masks, placement."""
 
 from __future__ import annotations
 
@@ -434,7 +434,7 @@ async def test_message_over_the_limit_fails_the_receiver(kind: str) -> None:
         b.set_allocator(allocator)
         await a.send_tagged(3, b"x" * 1000)  # exactly at the limit: fine
         assert len(as_bytes((await asyncio.wait_for(b.recv_tagged(3), 5)).payload)) == 1000
-        with contextlib.suppress(TransportError):  # in memory the sender learns at once; over TCP, later
+        with contextlib.suppress(TransportError):  # in-process the sender learns at once; over TCP, later
             await a.send_tagged(4, b"x" * 1001)
         with pytest.raises(ResourceError, match="1001 bytes"):
             await asyncio.wait_for(b.recv_tagged(4), 5)
@@ -446,9 +446,9 @@ def test_defaults() -> None:
     assert DEFAULT_MAX_MESSAGE_BYTES == 4 << 30
     assert DEFAULT_MAX_BUFFERED_BYTES == 256 << 20
     with pytest.raises(ValueError, match="max_buffered_bytes"):
-        from dissoc.transport import MemoryConnection
+        from dissoc.transport.inproc import InprocConnection
 
-        MemoryConnection(max_buffered_bytes=0)
+        InprocConnection(max_buffered_bytes=0)
 
 
 def test_buffer_pool_carves_small_buffers_from_slabs() -> None:

@@ -1,4 +1,4 @@
-"""The in-memory transport's fault injection, its named listeners, and its limits."""
+"""The in-process transport's fault injection, its named listeners, its limits, and its names until 0.2."""
 
 from __future__ import annotations
 
@@ -8,17 +8,8 @@ import numpy as np
 import pytest
 
 from dissoc.errors import ResourceError, TransportError
-from dissoc.transport import (
-    Connection,
-    Faults,
-    MemoryConnection,
-    TaggedMessage,
-    connect,
-    connect_memory,
-    memory_pair,
-    serve,
-    serve_memory,
-)
+from dissoc.transport import Connection, TaggedMessage, connect, inproc, serve
+from dissoc.transport.inproc import Faults, InprocConnection, connect_inproc, inproc_pair, serve_inproc
 
 
 def payload_of(message: TaggedMessage) -> bytes:
@@ -27,7 +18,7 @@ def payload_of(message: TaggedMessage) -> bytes:
 
 async def arrival_order(faults: Faults, count: int = 40) -> list[int]:
     """Tags of ``count`` tagged messages in the order they arrive through ``faults``."""
-    a, b = memory_pair(faults)
+    a, b = inproc_pair(faults)
     async with a, b:
         for i in range(count):
             await a.send_tagged(i, bytes([i]))
@@ -55,7 +46,7 @@ async def test_reorder_shuffles_within_the_window_and_replays_with_a_seed() -> N
 
 
 async def test_reorder_flushes_a_partial_window() -> None:
-    a, b = memory_pair(reorder_window=100, seed=1, reorder_linger=0.01)
+    a, b = inproc_pair(reorder_window=100, seed=1, reorder_linger=0.01)
     async with a, b:
         for i in range(3):
             await a.send_tagged(i, b"x")
@@ -64,7 +55,7 @@ async def test_reorder_flushes_a_partial_window() -> None:
 
 
 async def interleaved(faults: Faults) -> tuple[list[int], list[int]]:
-    a, b = memory_pair(faults)
+    a, b = inproc_pair(faults)
     async with a, b:
         for i in range(30):
             await a.send(bytes([i]))
@@ -85,7 +76,7 @@ async def test_reorder_keeps_untagged_order_unless_asked() -> None:
 
 
 async def test_reorder_moves_tagged_relative_to_untagged(monkeypatch: pytest.MonkeyPatch) -> None:
-    a, b = memory_pair(Faults(seed=2, reorder_window=16))
+    a, b = inproc_pair(Faults(seed=2, reorder_window=16))
     arrivals: list[tuple[str, int]] = []
     deliver_untagged, deliver_tagged = b._deliver_untagged, b._deliver_tagged
 
@@ -114,7 +105,7 @@ async def test_reorder_moves_tagged_relative_to_untagged(monkeypatch: pytest.Mon
 
 
 async def test_delay_and_jitter() -> None:
-    a, b = memory_pair(delay=0.05, jitter=0.02, seed=1)
+    a, b = inproc_pair(delay=0.05, jitter=0.02, seed=1)
     async with a, b:
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -128,7 +119,7 @@ async def test_delay_and_jitter() -> None:
 
 
 async def test_duplicate_drop_and_corrupt_given_messages() -> None:
-    a, b = memory_pair(duplicate={1}, drop={2}, corrupt={3}, seed=9)
+    a, b = inproc_pair(duplicate={1}, drop={2}, corrupt={3}, seed=9)
     async with a, b:
         original = [bytes([i]) * 64 for i in range(5)]
         for i, data in enumerate(original):
@@ -150,7 +141,7 @@ async def test_duplicate_drop_and_corrupt_given_messages() -> None:
 
 async def test_fault_rates_are_seeded() -> None:
     async def survivors(seed: int) -> list[int]:
-        a, b = memory_pair(drop_rate=0.3, seed=seed)
+        a, b = inproc_pair(drop_rate=0.3, seed=seed)
         async with a, b:
             for i in range(100):
                 await a.send(bytes([i]))
@@ -169,7 +160,7 @@ async def test_fault_rates_are_seeded() -> None:
 
 
 async def test_cut_after_messages() -> None:
-    a, b = memory_pair(cut_after_messages=3)
+    a, b = inproc_pair(cut_after_messages=3)
     async with a, b:
         for i in range(3):
             await a.send(bytes([i]))
@@ -186,7 +177,7 @@ async def test_cut_after_messages() -> None:
 
 
 async def test_cut_after_bytes_in_the_middle_of_a_message_loses_it() -> None:
-    a, b = memory_pair(cut_after_bytes=2500)
+    a, b = inproc_pair(cut_after_bytes=2500)
     async with a, b:
         waiting = asyncio.create_task(b.recv_tagged(2))
         await a.send_tagged(0, bytes(1000))
@@ -200,7 +191,7 @@ async def test_cut_after_bytes_in_the_middle_of_a_message_loses_it() -> None:
 
 
 async def test_cut_with_delay_delivers_what_was_in_flight() -> None:
-    a, b = memory_pair(delay=0.02, cut_after_messages=2)
+    a, b = inproc_pair(delay=0.02, cut_after_messages=2)
     async with a, b:
         await a.send(b"1")
         await a.send(b"2")
@@ -213,7 +204,7 @@ async def test_cut_with_delay_delivers_what_was_in_flight() -> None:
 
 
 async def test_close_with_delay_delivers_in_flight_then_fails() -> None:
-    a, b = memory_pair(delay=0.02)
+    a, b = inproc_pair(delay=0.02)
     async with b:
         await a.send(b"in flight")
         await a.close()
@@ -223,7 +214,7 @@ async def test_close_with_delay_delivers_in_flight_then_fails() -> None:
 
 
 async def test_sender_blocks_when_the_receiver_budget_is_full() -> None:
-    a, b = memory_pair(max_buffered_bytes=10_000)
+    a, b = inproc_pair(max_buffered_bytes=10_000)
     async with a, b:
         sent = [0]
 
@@ -243,7 +234,7 @@ async def test_sender_blocks_when_the_receiver_budget_is_full() -> None:
 
 
 async def test_oversized_message_in_memory() -> None:
-    a, b = memory_pair(max_message_bytes=10)
+    a, b = inproc_pair(max_message_bytes=10)
     async with a, b:
         with pytest.raises(TransportError, match="rejected"):
             await a.send(bytes(11))
@@ -264,34 +255,55 @@ async def test_named_listener_with_faults_through_the_registry() -> None:
                 return
             await conn.send_tagged(1, b"reply")
 
-    listener = await serve("mem", "unit-test", 0, handler, to_client=Faults(duplicate={0}))
+    listener = await serve("inproc", "unit-test", 0, handler, to_client=Faults(duplicate={0}))
     async with listener:
-        assert listener.address == "mem://unit-test:0"
-        client = await connect("mem", "unit-test", 0, timeout=1)
-        assert isinstance(client, MemoryConnection)
+        assert listener.address == "inproc://unit-test:0"
+        client = await connect("inproc", "unit-test", 0, timeout=1)
+        assert isinstance(client, InprocConnection)
         async with client:
             await client.send(b"hi")
             first = await asyncio.wait_for(client.recv_tagged(1), 5)
             second = await asyncio.wait_for(client.recv_tagged(1), 5)  # duplicated by the listener's faults
             assert payload_of(first) == payload_of(second) == b"reply"
-        other = await connect_memory("unit-test", recv_faults=Faults())
+        other = await connect_inproc("unit-test", recv_faults=Faults())
         async with other:
             await other.send(b"again")
             assert payload_of(await asyncio.wait_for(other.recv_tagged(1), 5)) == b"reply"
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(other.recv_tagged(1), 0.05)  # its own faults: no duplicate
         with pytest.raises(TransportError, match="in use"):
-            await serve_memory("unit-test", 0, handler)
+            await serve_inproc("unit-test", 0, handler)
     assert received == [b"hi", b"again"]
-    with pytest.raises(TransportError, match="no in-memory listener"):
-        await connect_memory("unit-test")
-    anonymous = await serve_memory("", 0, handler)
+    with pytest.raises(TransportError, match="no in-process listener"):
+        await connect_inproc("unit-test")
+    anonymous = await serve_inproc("", 0, handler)
     async with anonymous:
-        assert anonymous.host.startswith("mem-")
+        assert anonymous.host.startswith("inproc-")
 
 
-async def test_large_payload_through_the_memory_allocator() -> None:
-    a, b = memory_pair()
+async def test_the_names_of_0_2_still_work_for_one_release() -> None:
+    """The transport was the memory transport until 0.2: its old names are aliases of the new, and ``mem``
+    an alias of the ``inproc`` scheme."""
+    assert inproc.MemoryConnection is InprocConnection
+    assert inproc.MemoryListener is inproc.InprocListener
+    assert inproc.memory_pair is inproc_pair
+    assert inproc.serve_memory is serve_inproc
+    assert inproc.connect_memory is connect_inproc
+
+    async def echo(conn: Connection) -> None:
+        await conn.send(await conn.recv())
+
+    async with (
+        await serve("mem", "old-name", 0, echo) as listener,
+        await connect("mem", "old-name", 0) as conn,
+    ):
+        assert isinstance(listener, inproc.InprocListener) and isinstance(conn, InprocConnection)
+        await conn.send(b"ping")
+        assert bytes(await asyncio.wait_for(conn.recv(), 5)) == b"ping"
+
+
+async def test_large_payload_through_the_receivers_allocator() -> None:
+    a, b = inproc_pair()
     async with a, b:
         placed: list[np.ndarray] = []
 
@@ -316,4 +328,4 @@ def test_faults_validate() -> None:
     assert not Faults().pipelined
     assert Faults(reorder_window=2).pipelined
     with pytest.raises(ValueError, match="either"):
-        memory_pair(Faults(), drop={1})
+        inproc_pair(Faults(), drop={1})

@@ -562,7 +562,7 @@ async def test_connect_errors_are_transport_errors() -> None:
 
 
 async def test_registry_dispatches_on_scheme() -> None:
-    assert {"tcp", "mem"} <= set(registered_schemes())
+    assert {"tcp", "inproc", "mem"} <= set(registered_schemes())
 
     async def echo(conn: Connection) -> None:
         await conn.send(await conn.recv())
