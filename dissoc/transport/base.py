@@ -13,10 +13,25 @@ messages carrying a little-endian u64 tag. :class:`Connection` offers exactly th
   is allocated) and ``max_buffered_bytes`` (received messages nobody has claimed yet; past it the reader stops
   reading, so the sender is throttled by the transport's own flow control).
 
-Implementations share the inbox logic of :class:`Connection` (built on :mod:`dissoc.transport._inbox`) and
-only move bytes: see :mod:`dissoc.transport.tcp`, :mod:`dissoc.transport.inproc` and
-:mod:`dissoc.transport.ucx`; :func:`check_u64`, :func:`as_views` and :func:`fresh_error` are helpers for them.
-:mod:`dissoc.transport.registry` maps URI schemes to their ``connect``/``serve`` functions.
+- a receiver (:meth:`Connection.set_receiver`) may take every message as it arrives instead, through one
+  door (:meth:`Receiver.on_messages`), several at a time where the transport can.
+
+A backend (:mod:`dissoc.transport.tcp`, :mod:`~dissoc.transport.tls`, :mod:`~dissoc.transport.inproc`,
+:mod:`dissoc.transport.ucx`) only moves bytes; the inbox, the limits and the receiver are :class:`Connection`'s.
+It implements two methods and may override two:
+
+- ``_send_frame(tagged, tag, views, total)``: send one message (frames of concurrent senders never mix);
+- ``_close_transport()``: release the transport, once;
+- ``_on_flow()`` (optional): reading may go on (something was claimed, a consumer waits, reading resumed);
+- ``idle_frame()`` (optional): whether a frame is partly received, for the server's deadlines.
+
+and it receives through five calls: ``_admit(tagged, tag, length)`` (may a message be read now, or should
+reading pause), ``_accept(tag, length)`` (its tag's limit and the shared receive budget, once admitted),
+``_allocate(tag, length)`` (where its payload goes), ``_deliver(tag, payload, nbytes)`` (one received message
+to the receiver, a waiting consumer or the inbox) or ``_offer(messages)`` (messages still in the transport's
+own buffer, lent to the receiver in one call), and ``_fail(exc)``. :func:`check_u64`, :func:`as_views` and
+:func:`fresh_error` are helpers for them; :mod:`dissoc.transport.registry` maps URI schemes to their
+``connect``/``serve`` functions.
 """
 
 from __future__ import annotations
@@ -471,6 +486,15 @@ class Connection(abc.ABC):
     async def _close_transport(self) -> None:
         """Release the transport (called once, by :meth:`close`, after the inbox was failed)."""
 
+    def _accept(self, tag: int | None, length: int) -> None:
+        """A message of ``length`` bytes (``tag`` None: untagged) is about to be received, once admitted
+        (:meth:`_admit`): check it against the limit set for its tag and take its room in the shared receive
+        budget (:class:`TagLimitError`, :class:`ReceiveBudgetError`; nothing is allocated for it then)."""
+        if tag is not None and self._tag_limits:
+            self._check_tag_limit(tag, length)
+        if self._budget is not None:
+            self._reserve(length)
+
     def _check_tag_limit(self, tag: int, length: int) -> None:
         """:class:`TagLimitError` if ``length`` is over the limit set for ``tag``."""
         limit = self._tag_limits.get(tag)
@@ -613,31 +637,26 @@ class Connection(abc.ABC):
             )
         return buffer, view
 
-    def _deliver_untagged(self, message: bytes | memoryview) -> None:
-        """Hand a received untagged message to the receiver, the oldest waiting consumer, or hold it."""
-        receiver = self._receiver
-        if receiver is not None and receiver.on_messages([(None, message, len(message))], False):
-            if self._budget is not None:
-                self._unreserve(len(message))
-            return
-        waiters = self._untagged_waiters
-        while waiters:
-            future = waiters.popleft()
-            if not future.done():
-                future.set_result(message)
-                if self._budget is not None:
-                    self._unreserve(len(message))
-                return
-        self._untagged.append(message)
-        self._buffered += len(message)
-
-    def _deliver_tagged(self, tag: int, payload: BytesLike, nbytes: int) -> None:
-        """Hand a received tagged message to the receiver, the consumer that waited longest for it, or hold
-        it."""
+    def _deliver(self, tag: int | None, payload: BytesLike, nbytes: int) -> None:
+        """Hand a received message (``tag`` None: untagged) to the receiver, the consumer that waited longest
+        for it, or hold it."""
         receiver = self._receiver
         if receiver is not None and receiver.on_messages([(tag, payload, nbytes)], False):
             if self._budget is not None:
                 self._unreserve(nbytes)
+            return
+        if tag is None:
+            message: bytes | memoryview = payload  # type: ignore[assignment]
+            waiters = self._untagged_waiters
+            while waiters:
+                future = waiters.popleft()
+                if not future.done():
+                    future.set_result(message)
+                    if self._budget is not None:
+                        self._unreserve(nbytes)
+                    return
+            self._untagged.append(message)
+            self._buffered += nbytes
             return
         held = Held(TaggedMessage(tag, payload), nbytes)
         waiter = self._tag_waiters.pop_match(tag)
@@ -648,6 +667,23 @@ class Connection(abc.ABC):
             return
         self._held.add(held.message, nbytes)
         self._buffered += nbytes
+
+    def _offer(self, messages: list[Received]) -> int:
+        """Offer messages whose tagged payloads are still in the transport's own buffer (lent for the call)
+        to the receiver, when it may take them so: a receiver is set, nothing is held or limited, reading is
+        not paused and payloads land in the default allocator's buffers. Returns how many it took (0: the
+        transport delivers them itself, one by one)."""
+        receiver = self._receiver
+        if (
+            receiver is None
+            or self._buffered
+            or self._budget is not None
+            or self._tag_limits
+            or self._paused_by_owner
+            or self._allocator is not default_allocator
+        ):
+            return 0
+        return receiver.on_messages(messages, True)
 
     def _give_back_untagged(self, message: bytes | memoryview) -> None:
         """A consumer was cancelled just after being handed ``message``: pass it on, or hold it first."""

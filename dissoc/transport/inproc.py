@@ -259,14 +259,13 @@ class _Channel:
             return
         self.stats.delivered += 1
         try:
-            if rx._budget is not None:
-                rx._reserve(len(payload))
+            rx._accept(tag if tagged else None, len(payload))
             if tagged:
                 buffer, view = rx._allocate(tag, len(payload))
                 view[:] = payload
-                rx._deliver_tagged(tag, buffer, len(payload))
+                rx._deliver(tag, buffer, len(payload))
             else:
-                rx._deliver_untagged(bytes(payload))
+                rx._deliver(None, bytes(payload), len(payload))
         except DissocError as exc:
             rx._teardown(exc)
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
 
 import pyarrow as pa
 
-from dissoc.buffers import DEFAULT_POOL, default_allocator
+from dissoc.buffers import DEFAULT_POOL
 from dissoc.errors import DissocError, TransportError
 from dissoc.logs import peer_log
 from dissoc.metrics import SERVER
@@ -510,7 +510,7 @@ class TcpConnection(Connection):
                     self._finish_target()
                 header = self._header
                 if header is None:
-                    if self._receiver is not None and self._frames:
+                    if self._frames and self._receiver is not None:
                         rpos = self._fast_lane(rpos, wpos)
                     if wpos - rpos < HEADER_SIZE:
                         break
@@ -519,8 +519,6 @@ class TcpConnection(Connection):
                         if self._frames == 0:
                             self._check_not_tls(view[rpos : rpos + 2])
                         _check_header(first, tag, length, self._max_message_bytes, f"{self._description}: ")
-                        if self._tag_limits:
-                            self._check_tag_limit(tag, length)
                     rpos += HEADER_SIZE
                     self._frames += 1
                     header = (first, tag, length)
@@ -531,29 +529,21 @@ class TcpConnection(Connection):
                     self._header = header
                     self._pause()
                     break
-                if self._budget is not None:
-                    self._reserve(length)
+                self._accept(tag if tagged else None, length)
                 self._header = None
                 if not tagged and wpos - rpos >= length:
-                    self._deliver_untagged(bytes(view[rpos : rpos + length]))
+                    self._deliver(None, bytes(view[rpos : rpos + length]), length)
                     rpos += length
                     continue
                 if tagged:
-                    receiver = self._receiver
-                    if (
-                        receiver is not None
-                        and wpos - rpos >= length
-                        and self._budget is None
-                        and self._allocator is default_allocator
-                        and receiver.on_messages([(tag, view[rpos : rpos + length], length)], True)
-                    ):
+                    if wpos - rpos >= length and self._offer([(tag, view[rpos : rpos + length], length)]):
                         rpos += length
                         continue
                     obj, target = self._allocate(tag, length)
                     if wpos - rpos >= length:  # all staged already (small payloads): no target to track
                         target[:] = view[rpos : rpos + length]
                         rpos += length
-                        self._deliver_tagged(tag, obj, length)
+                        self._deliver(tag, obj, length)
                         continue
                 else:
                     obj = DEFAULT_POOL.allocate(length)
@@ -576,19 +566,9 @@ class TcpConnection(Connection):
 
     def _fast_lane(self, rpos: int, wpos: int) -> int:
         """Whole well-formed frames staged one after another, offered to the receiver in one call (at most
-        :data:`_RUN_MESSAGES`; tagged payloads lent in place, untagged ones as ``bytes``), while nothing is
-        buffered, limited or paused. Returns where it stopped: after the last frame taken; the general path
-        takes the rest (a frame that is not whole or not plainly well formed, or one the receiver left)."""
-        if (
-            self._buffered
-            or self._budget is not None
-            or self._tag_limits
-            or self._paused_by_owner
-            or self._allocator is not default_allocator
-        ):
-            return rpos
-        receiver = self._receiver
-        assert receiver is not None
+        :data:`_RUN_MESSAGES`; tagged payloads lent in place, untagged ones as ``bytes``; see
+        ``Connection._offer``). Returns where it stopped: after the last frame taken; the general path takes
+        the rest (a frame that is not whole or not plainly well formed, or one the receiver left)."""
         stage = self._stage
         view = self._stage_view
         limit = self._max_message_bytes
@@ -609,9 +589,7 @@ class TcpConnection(Connection):
                 break
             ends.append(end)
             rpos = end
-        if not messages:
-            return rpos
-        taken = receiver.on_messages(messages, True)
+        taken = self._offer(messages) if messages else 0
         self._frames += taken
         return ends[taken - 1] if taken else begin
 
@@ -620,9 +598,9 @@ class TcpConnection(Connection):
         self._target = None
         self._target_obj = None
         if self._target_tagged:
-            self._deliver_tagged(self._target_tag, obj, self._target_len)
+            self._deliver(self._target_tag, obj, self._target_len)
         else:
-            self._deliver_untagged(memoryview(obj))
+            self._deliver(None, memoryview(obj), self._target_len)
 
     def _position(self) -> str:
         if self._target is not None:

@@ -174,7 +174,7 @@ async def test_a_message_given_back_by_a_cancelled_consumer_goes_to_the_next(pai
     first = asyncio.create_task(b.recv())
     second = asyncio.create_task(b.recv())
     await asyncio.sleep(0.01)
-    b._deliver_untagged(b"only one")  # as the reader does when a message arrives ...
+    b._deliver(None, b"only one", 8)  # as the reader does when a message arrives ...
     first.cancel()  # ... and the first consumer is cancelled before it could run
     assert bytes(await asyncio.wait_for(second, 5)) == b"only one"
     with pytest.raises(asyncio.CancelledError):
@@ -183,7 +183,7 @@ async def test_a_message_given_back_by_a_cancelled_consumer_goes_to_the_next(pai
     first_tagged = asyncio.create_task(b.recv_tagged(8))
     second_tagged = asyncio.create_task(b.recv_tagged(8, 0xFF))
     await asyncio.sleep(0.01)
-    b._deliver_tagged(8, bytearray(b"tagged"), 6)
+    b._deliver(8, bytearray(b"tagged"), 6)
     first_tagged.cancel()
     assert bytes((await asyncio.wait_for(second_tagged, 5)).view()) == b"tagged"
     with pytest.raises(asyncio.CancelledError):
@@ -191,7 +191,7 @@ async def test_a_message_given_back_by_a_cancelled_consumer_goes_to_the_next(pai
 
     lone = asyncio.create_task(b.recv_tagged(9))
     await asyncio.sleep(0.01)
-    b._deliver_tagged(9, bytearray(b"kept"), 4)
+    b._deliver(9, bytearray(b"kept"), 4)
     lone.cancel()
     with pytest.raises(asyncio.CancelledError):
         await lone

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
@@ -78,18 +79,13 @@ async def test_reorder_keeps_untagged_order_unless_asked() -> None:
 async def test_reorder_moves_tagged_relative_to_untagged(monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = inproc_pair(Faults(seed=2, reorder_window=16))
     arrivals: list[tuple[str, int]] = []
-    deliver_untagged, deliver_tagged = b._deliver_untagged, b._deliver_tagged
+    deliver = b._deliver
 
-    def record_untagged(message: bytes | memoryview) -> None:
-        arrivals.append(("u", message[0]))
-        deliver_untagged(message)
+    def record(tag: int | None, payload: Any, nbytes: int) -> None:
+        arrivals.append(("u", payload[0]) if tag is None else ("t", tag))
+        deliver(tag, payload, nbytes)
 
-    def record_tagged(tag: int, payload: object, nbytes: int) -> None:
-        arrivals.append(("t", tag))
-        deliver_tagged(tag, payload, nbytes)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(b, "_deliver_untagged", record_untagged)
-    monkeypatch.setattr(b, "_deliver_tagged", record_tagged)
+    monkeypatch.setattr(b, "_deliver", record)
     async with a, b:
         sent = []
         for i in range(8):

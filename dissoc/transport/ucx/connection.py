@@ -289,7 +289,7 @@ class UcxConnection(Connection):
                     )
                 )
                 return True
-            self._deliver_tagged(item.tag, item.buffer, item.length)
+            self._deliver(item.tag, item.buffer, item.length)
         return True
 
     def _release_claim(self, waiter: int) -> None:
@@ -324,13 +324,12 @@ class UcxConnection(Connection):
                 break
             message = am.pop()
             activity = True
-            if self._budget is not None:
-                try:
-                    self._reserve(len(message))
-                except DissocError as exc:
-                    self._teardown(exc)
-                    return True
-            self._deliver_untagged(message)
+            try:
+                self._accept(None, len(message))
+            except DissocError as exc:
+                self._teardown(exc)
+                return True
+            self._deliver(None, message, len(message))
         return activity
 
     def _may_take(self, length: int, wanted: bool) -> bool:
@@ -396,20 +395,15 @@ class UcxConnection(Connection):
             if certain:
                 self._discard(probe, length)
             return True
-        if self._tag_limits or self._budget is not None:
-            try:
-                if self._tag_limits:
-                    self._check_tag_limit(found, length)
-                if not certain and not self._may_take(length, wanted):
-                    return False
-                self._reserve(length)
-            except DissocError as exc:
-                self._teardown(exc)
-                if certain:
-                    self._discard(probe, length)
-                return True
-        elif not certain and not self._may_take(length, wanted):
+        if not certain and not self._may_take(length, wanted):
             return False
+        try:
+            self._accept(found, length)
+        except DissocError as exc:
+            self._teardown(exc)
+            if certain:
+                self._discard(probe, length)
+            return True
         try:
             buffer, view = self._allocate(found, length)
         except BaseException:
