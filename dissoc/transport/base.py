@@ -17,8 +17,8 @@ messages carrying a little-endian u64 tag. :class:`Connection` offers exactly th
   door (:meth:`Receiver.on_messages`), several at a time where the transport can.
 
 A backend (:mod:`dissoc.transport.tcp`, :mod:`~dissoc.transport.tls`, :mod:`~dissoc.transport.inproc`,
-:mod:`dissoc.transport.ucx`) only moves bytes; the inbox, the limits and the receiver are :class:`Connection`'s.
-It implements two methods and may override two:
+:mod:`dissoc.transport.ucx`) only moves bytes; the inbox, the limits and the receiver are
+:class:`Connection`'s. It implements two methods and may override two:
 
 - ``_send_frame(tagged, tag, views, total)``: send one message (frames of concurrent senders never mix);
 - ``_close_transport()``: release the transport, once;
