@@ -1,4 +1,4 @@
-"""Test groups that default to what is installed.
+"""Test groups that default to what is installed, and the fast loop's selection.
 
 Hypothesis runs derandomized when ``CI`` is set (profile ``ci``). Markers: ``ucx`` (needs ucxx), ``gpu``
 (needs cupy and a CUDA device), ``spark`` (needs pyspark and Java), ``docker`` (builds and runs the images of
@@ -6,6 +6,11 @@ docker/: needs a docker daemon that answers and, until its base image is built, 
 ``slow``. A marked test whose dependency is missing is skipped with a reason that names it; ``slow`` tests run
 by default (deselect with ``-m "not slow"``), and so do ``docker`` tests where a daemon answers (about two
 minutes of image builds; deselect with ``-m "not docker"`` or ``DISSOC_DOCKER_TESTS=0``).
+
+``heavy`` is given here, by path (:data:`HEAVY`), to the end-to-end folders, to the modules elsewhere whose
+tests mostly run servers in child processes, and to the codec's long property sweeps. The fast loop,
+``scripts/test.sh --fast``, is the suite less ``-m "slow or spark or docker or ucx or heavy"``: every room's
+own tests, mostly in this process, in under three minutes on two cores.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import shutil
 import subprocess
 from functools import cache
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -105,8 +111,49 @@ def _docker_opted_out() -> bool:
     return os.environ.get("DISSOC_DOCKER_TESTS") == "0"
 
 
+#: Left out of the fast loop (marker ``heavy``), relative to ``tests/``: a folder (ending in ``/``), a module,
+#: or one test function of a module (``module.py::test``).
+HEAVY = (
+    # The folders of end-to-end tests: real servers and clients, ``dissoc`` subprocesses, Spark, images and
+    # benchmark runs.
+    "bench/",
+    "cli/",
+    "client/",
+    "docker/",
+    "docs/",  # every example of the README and docs/, each in an interpreter of its own
+    "reliability/",
+    "spark/",
+    # Modules in the other folders whose tests mostly run servers in child processes.
+    "base/test_tokens.py",
+    "device/test_e2e.py",
+    "flight/test_security.py",
+    "memory/test_private.py",
+    "transport/test_tls.py",
+    "transport/test_ucx_conformance.py",
+    "transport/test_ucx_reference.py",
+    # The codec's long property sweeps (hypothesis over generated and damaged batches).
+    "codec/test_body_corruption.py",
+    "codec/test_encode_paths.py::test_generated_bulk_batches",
+    "codec/test_encode_paths.py::test_generated_wide_batches",
+)
+_TESTS = Path(__file__).resolve().parent
+
+
+def _heavy(item: pytest.Item) -> bool:
+    path = item.path.resolve()
+    if not path.is_relative_to(_TESTS):
+        return False
+    where = path.relative_to(_TESTS).as_posix()
+    test = f"{where}::{item.name.partition('[')[0]}"
+    return any(h in (where, test) or (h.endswith("/") and where.startswith(h)) for h in HEAVY)
+
+
+# tryfirst: the marks must be on the items before ``-m`` deselects by them.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
+        if _heavy(item):
+            item.add_marker(pytest.mark.heavy)
         for marker in ("ucx", "gpu", "spark"):
             if item.get_closest_marker(marker) is not None:
                 reason = _missing(marker)

@@ -7,8 +7,7 @@ root); tests that need them are skipped, naming that directory, when it is absen
 from __future__ import annotations
 
 import pytest
-
-from .util import ARROW_TESTING
+from helpers.codec import ARROW_TESTING
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -17,15 +17,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+from helpers import ipcgen
+from helpers import strategies as S
+from helpers.codec import assert_batch_equal, pa_read_stream
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dissoc import codec
 from dissoc.codec import bulk, encoder, flatcode, jit, message
-
-from . import ipcgen
-from . import strategies as S
-from .util import assert_batch_equal, pa_read_stream
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -19,12 +19,11 @@ import pyarrow as pa
 import pyarrow.ipc as paipc
 import pytest
 import zstandard
+from helpers import ipcgen as g
+from helpers.codec import assert_batches_equal, assert_schema_equal
 
 from dissoc import codec
 from dissoc.errors import CodecError, DissocError
-
-from . import ipcgen as g
-from .util import assert_batches_equal, assert_schema_equal
 
 pytestmark = pytest.mark.timeout(30)
 

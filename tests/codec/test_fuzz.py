@@ -21,14 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as paipc
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from dissoc import codec
-from dissoc.errors import CodecError
-
-from . import ipcgen
-from .util import (
+from helpers import ipcgen
+from helpers.codec import (
     fuzz_files,
     fuzz_id,
     missing_param,
@@ -36,6 +30,11 @@ from .util import (
     pa_write_stream,
     requires_arrow_testing,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dissoc import codec
+from dissoc.errors import CodecError
 
 MiB = 1 << 20
 MEMORY_BASE = 256 * MiB

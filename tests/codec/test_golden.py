@@ -22,11 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.ipc as paipc
 import pytest
-
-from dissoc import codec
-from dissoc.errors import CodecError
-
-from .util import (
+from helpers.codec import (
     COMPRESSIONS,
     INTEGRATION,
     assert_batch_equal,
@@ -42,6 +38,9 @@ from .util import (
     requires_arrow_testing,
     table_of,
 )
+
+from dissoc import codec
+from dissoc.errors import CodecError
 
 GOLDEN = golden_files()
 STREAMS = [pytest.param(p, id=golden_id(p)) for p in GOLDEN if p.suffix == ".stream"] or [missing_param()]

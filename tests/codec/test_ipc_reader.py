@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+from helpers.codec import assert_batch_equal, walk_arrays
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,8 +26,6 @@ from dissoc import codec
 from dissoc.codec import decoder as decoder_module
 from dissoc.codec.plan import SMALL_BATCH_ROWS
 from dissoc.errors import CodecError
-
-from .util import assert_batch_equal, walk_arrays
 
 pytestmark = pytest.mark.timeout(120)
 

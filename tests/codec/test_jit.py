@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+from helpers.codec import assert_batch_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +27,6 @@ from dissoc.codec import jit
 from dissoc.errors import CodecError
 
 from .test_ipc_reader import _decoder, _encode, _land, _outcome, _same
-from .util import assert_batch_equal
 
 try:
     importlib.import_module("numba")  # by name: the jit extra is optional (for mypy too)

@@ -18,15 +18,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as paipc
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from dissoc import codec
-from dissoc.errors import CodecError
-
-from . import ipcgen
-from . import strategies as S
-from .util import (
+from helpers import ipcgen
+from helpers import strategies as S
+from helpers.codec import (
     COMPRESSIONS,
     assert_batch_equal,
     assert_batches_equal,
@@ -38,6 +32,11 @@ from .util import (
     pa_write_stream,
     table_of,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dissoc import codec
+from dissoc.errors import CodecError
 
 SETTINGS = settings(
     max_examples=80,

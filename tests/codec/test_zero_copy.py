@@ -16,11 +16,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+from helpers import ipcgen
+from helpers.codec import assert_batch_equal, walk_arrays
 
 from dissoc import codec
-
-from . import ipcgen
-from .util import assert_batch_equal, walk_arrays
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -26,7 +26,7 @@ from typing import Any, cast
 import numpy as np
 import pyarrow as pa
 import pytest
-from e2e_helpers import PYTHON, REPO, cli_server
+from helpers.e2e import PYTHON, REPO, cli_server
 
 from dissoc.client import ClientOptions, fetch, stream_batches
 from dissoc.errors import TransportError

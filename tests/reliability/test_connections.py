@@ -34,7 +34,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from e2e_helpers import PYTHON, REPO, eventually, listener_connections, sample_table, vm_rss, within
+from helpers.e2e import PYTHON, REPO, eventually, listener_connections, sample_table, vm_rss, within
 
 import dissoc
 from dissoc.client import fetch_async

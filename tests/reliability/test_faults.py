@@ -1,5 +1,5 @@
 """Faults: clients killed while holding pairs, a server killed mid-stream, and message faults through the
-in-process transport beyond what ``tests/test_e2e_faults.py`` covers (which has fixed drops, duplicates,
+in-process transport beyond what ``tests/client/test_faults.py`` covers (which has fixed drops, duplicates,
 reordering and cuts on the combined layout with packed bodies, server to client).
 
 Here: the split layout; pair-list bodies, with faults on the pair lists and on free_data (client to server);
@@ -23,14 +23,14 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from e2e_helpers import PYTHON, REPO, eventually, listener_connections, ordered_table, within
+from helpers.e2e import PYTHON, REPO, eventually, listener_connections, ordered_table, within
+from helpers.reliability import serve_process, shm_segments, write_ipc
 
 from dissoc.client import ClientOptions, fetch_async, settle, stream_batches
 from dissoc.errors import DissocError, TransportError
 from dissoc.memory.shm import SHM_DIR
 from dissoc.server import Server
 from dissoc.transport.inproc import Faults
-from reliability._util import serve_process, shm_segments, write_ipc
 
 pytestmark = pytest.mark.slow
 

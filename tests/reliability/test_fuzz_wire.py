@@ -23,7 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from e2e_helpers import CLOSE, RawServer, ServerThread, frame, listener_connections, within
+from helpers.e2e import CLOSE, RawServer, ServerThread, frame, listener_connections, within
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -21,10 +21,8 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from e2e_helpers import within
-
-from dissoc.client import ClientOptions, fetch_async, settle, stream_batches
-from reliability._util import (
+from helpers.e2e import within
+from helpers.reliability import (
     open_fds,
     rss,
     serve_process,
@@ -33,6 +31,8 @@ from reliability._util import (
     stop_gracefully,
     write_ipc,
 )
+
+from dissoc.client import ClientOptions, fetch_async, settle, stream_batches
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from e2e_helpers import RawServer, ask_raw, cli_server, ordered_table, tagged, untagged, vm_rss, within
+from helpers.e2e import RawServer, ask_raw, cli_server, ordered_table, tagged, untagged, vm_rss, within
 
 from dissoc.client import ClientOptions, fetch_async, settle, stream_batches
 from dissoc.errors import ProtocolError, RemoteError, TransportError

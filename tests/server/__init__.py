@@ -1,0 +1,1 @@
+"""Tests of the servers (dissoc.server and the role servers): what they send, their options, health."""

@@ -12,7 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from e2e_helpers import sample_table, within
+from helpers.e2e import sample_table, within
 
 import dissoc
 from dissoc.cli import _parser, _subparser, parse_args
@@ -112,7 +112,11 @@ CHECKS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"max_ticket_bytes": -1}, DissocError, "max_ticket_bytes and max_free_data_bytes must be >= 0"),
     ({"tls_key": "key.pem"}, DissocError, "tls_key and tls_client_ca .* need tls_cert"),
     ({"transport": "tls"}, DissocError, "transport='tls' needs tls_cert and tls_key"),
-    ({"tls_cert": "c.pem", "transport": "mem"}, DissocError, "TLS .* is for the tcp transport, not 'mem'"),
+    (
+        {"tls_cert": "c.pem", "transport": "inproc"},
+        DissocError,
+        "TLS .* is for the tcp transport, not 'inproc'",
+    ),
     ({"tls_cert": "c.pem", "tls_handshake_timeout": 0}, DissocError, "tls_handshake_timeout must be > 0"),
     ({"transport_options": {"bogus": 1}}, TypeError, "unknown server option 'bogus'"),
 ]
@@ -193,7 +197,7 @@ def test_an_unknown_keyword_is_refused_by_name() -> None:
 def test_a_keyword_the_transport_takes_is_a_transport_option() -> None:
     options = ServerOptions.resolve(None, {"sndbuf": 1 << 20, "transport_options": {"backlog": 8}})
     assert options.transport_options == {"backlog": 8, "sndbuf": 1 << 20}
-    assert ServerOptions.resolve(None, {"transport": "mem", "to_client": None}).transport_options == {
+    assert ServerOptions.resolve(None, {"transport": "inproc", "to_client": None}).transport_options == {
         "to_client": None
     }
     with pytest.raises(TypeError, match=r"'to_client'.*the 'tcp' transport's serve"):

@@ -1,0 +1,1 @@
+"""Tests of the command line (dissoc.cli): serve and get end to end, the progress bar, --flight."""

@@ -1,0 +1,1 @@
+"""Tests of dissoc.flight: the Flight control plane, the client's grpc:// locations, its secret and TLS."""

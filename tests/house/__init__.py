@@ -1,0 +1,1 @@
+"""The house rules: the package's floors and rooms (ARCHITECTURE.md), ruff and mypy."""

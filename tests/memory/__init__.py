@@ -1,0 +1,1 @@
+"""Tests of dissoc.memory: shared-memory arenas, UCX RMA, private per-connection arenas."""

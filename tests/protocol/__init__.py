@@ -1,0 +1,1 @@
+"""Tests of dissoc.protocol: the Dissociated IPC state machines, bytes in and events out (pure)."""

@@ -1,0 +1,1 @@
+"""Tests of dissoc.spark: the data source, writer and barrier exchange (most need pyspark and Java)."""
