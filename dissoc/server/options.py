@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import inspect
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -245,16 +244,14 @@ class ServerOptions:
         only fail when the server starts). A transport that cannot be loaded here is left to fail then."""
         if not self.transport_options:
             return
-        from dissoc.transport import registry
+        from dissoc.transport.registry import serve_options
 
         try:
-            serve = registry._entry(self.scheme).serve
+            taken = serve_options(self.scheme)
         except TransportError:
             return
-        parameters = inspect.signature(serve).parameters.values()
-        if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        if taken is None:
             return
-        taken = {p.name for p in parameters if p.kind is p.KEYWORD_ONLY}
         unknown = sorted(set(self.transport_options) - taken)
         if unknown:
             fields = [f.name for f in dataclasses.fields(self)]

@@ -9,6 +9,8 @@ ucxx or ssl, nor the in-process transport of the tests.
 from __future__ import annotations
 
 import importlib
+import inspect
+import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -64,6 +66,29 @@ def _entry(scheme: str) -> _Entry:
     if entry is None:
         raise TransportError(f"unknown transport scheme {scheme!r}; expected one of {registered_schemes()}")
     return entry
+
+
+def serve_options(scheme: str) -> frozenset[str] | None:
+    """The keyword options the ``serve`` of ``scheme``'s transport takes (its keyword-only parameters, and the
+    keys of a ``**options: Unpack[SomeTypedDict]``); None when it takes any. Loads the transport
+    (:class:`~dissoc.errors.TransportError` when it cannot be)."""
+    serve = _entry(scheme).serve
+    taken: set[str] = set()
+    for p in inspect.signature(serve).parameters.values():
+        if p.kind is p.KEYWORD_ONLY:
+            taken.add(p.name)
+        elif p.kind is p.VAR_KEYWORD:
+            hint = p.annotation
+            if isinstance(hint, str):  # (postponed annotations: evaluated in the function's module)
+                try:
+                    hint = eval(hint, getattr(serve, "__globals__", {}))
+                except Exception:
+                    return None
+            args = typing.get_args(hint) if typing.get_origin(hint) is typing.Unpack else ()
+            if not args or not typing.is_typeddict(args[0]):
+                return None
+            taken.update(args[0].__required_keys__, args[0].__optional_keys__)
+    return frozenset(taken)
 
 
 async def connect(scheme: str, host: str, port: int, **options: Any) -> Connection:
