@@ -276,21 +276,27 @@ class ClientStream:
                 taken += 1
                 tag, payload, nbytes = item
                 if tag is None:
-                    held = self._held
                     if (
-                        held
-                        and self._fast
+                        self._fast
                         and type(payload) is bytes
                         and len(payload) > PREFIX_SIZE
                         and payload[0] == _METADATA
                     ):
-                        # The common case of a metadata stream running ahead of its bodies: the next in the
-                        # held run, inside the window (what the general rules would find, in fewer steps).
+                        # The common case: the next metadata message of the held run (or the first of one,
+                        # when nothing waits in the reorder buffer), inside the window; what the general
+                        # rules would find, in fewer steps.
                         seq = _SEQ.unpack_from(payload, 1)[0]
+                        held = self._held
+                        reorder = self._reorder
+                        next_seq = reorder.next_seq
                         if (
-                            seq == (held[-1][0] + 1) & SEQ_MAX
+                            (
+                                seq == (held[-1][0] + 1) & SEQ_MAX
+                                if held
+                                else seq == next_seq and not reorder.backlog
+                            )
                             and (seq == self._expected or not self._ordered)
-                            and (seq - self._reorder.next_seq) & SEQ_MAX < self._window
+                            and (seq - next_seq) & SEQ_MAX < self._window
                         ):
                             metadata = payload[PREFIX_SIZE:]
                             if self._has_body(metadata):
