@@ -131,25 +131,22 @@ async def _burst(session: Session, on_schema: Callable[[pa.Schema], None] | None
     ended = False
     while ready:
         ev = ready.popleft()
-        kind = type(ev)
-        if kind is MessageReady:
-            assert isinstance(ev, MessageReady)
+        if isinstance(ev, MessageReady):
             consumed += ev.nbytes
             batch = decoding.message(ev)
             if batch is not None:
                 chunk.append(batch)
                 if stats.bytes - start >= CHUNK_BYTES:
                     break
-        elif kind is SchemaReceived:
-            assert isinstance(ev, SchemaReceived)
+        elif isinstance(ev, SchemaReceived):
             schema = decoding.schema(ev.metadata)
             if on_schema is not None:
                 on_schema(schema)
-        elif kind is StreamEnded:
+        elif isinstance(ev, StreamEnded):
             ended = True
             break
         else:
-            decoding.arena(ev)  # type: ignore[arg-type]
+            decoding.arena(ev)
     session.consumed(consumed)
     await session.frees.flush()
     return chunk, ended
