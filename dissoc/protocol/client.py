@@ -174,7 +174,13 @@ class ClientStream:
         self._max_in_flight = max_in_flight_bytes if max_in_flight_bytes is not None else 1 << 62
         self._paused = False
         self._stop = False  # a pause began during receive(): hand back the rest of the batch
+        self._moved = False  # what pauses says may have changed (see _repause)
+        #: Whether reading should pause now: ``(metadata stream, data stream)``. Both while the consumer is
+        #: behind (``max_in_flight_bytes``); apart from that, a stream whose input waits for the window (when
+        #: the two do not share a link). A new tuple whenever it may have changed.
+        self.pauses: tuple[bool, bool] = (False, False)
         self._fast = False  # a metadata message may join the held run in few steps (kept by _settle)
+        self._quiet = False  # ... or begin one: nothing waits in the reorder buffer either
 
     # -- introspection ---------------------------------------------------------------------------------------
 
@@ -228,16 +234,6 @@ class ClientStream:
         """Whether something is held: a held run, or input waiting for the window."""
         return bool(self._held or self._stalled_meta or self._stalled_bodies)
 
-    @property
-    def pauses(self) -> tuple[bool, bool]:
-        """Whether reading should pause now: ``(metadata stream, data stream)``. Both while the consumer is
-        behind (``max_in_flight_bytes``); apart from that, a stream whose input waits for the window (when
-        the two do not share a link)."""
-        paused = self._paused
-        if self._shared:
-            return paused, paused
-        return bool(self._stalled_meta), paused or bool(self._stalled_bodies)
-
     def accepts(self, seq: int) -> bool:
         """Whether ``seq`` is inside the window now (see ``ReorderBuffer.accepts``)."""
         return self._reorder.accepts(seq)
@@ -269,12 +265,19 @@ class ClientStream:
         if self._state is ClientState.FAILED:
             self._check_usable("input")
         taken = 0
+        # (what stays the same for the stream's life, as locals: this loop runs once per message)
+        held = self._held
+        reorder = self._reorder
+        events = self.events
+        has_body = self._has_body
+        keep = self._keep
+        window = self._window
+        ordered = self._ordered
         try:
-            for item in messages:
-                if self._state is _FINISHED and taken:
+            for tag, payload, nbytes in messages:
+                if taken and self._state is _FINISHED:
                     break  # (what follows the end is not this stream's: left to the driver)
                 taken += 1
-                tag, payload, nbytes = item
                 if tag is None:
                     if (
                         self._fast
@@ -286,57 +289,53 @@ class ClientStream:
                         # when nothing waits in the reorder buffer), inside the window; what the general
                         # rules would find, in fewer steps.
                         seq = _SEQ.unpack_from(payload, 1)[0]
-                        held = self._held
-                        reorder = self._reorder
                         next_seq = reorder.next_seq
                         if (
-                            (
-                                seq == (held[-1][0] + 1) & SEQ_MAX
-                                if held
-                                else seq == next_seq and not reorder.backlog
-                            )
-                            and (seq == self._expected or not self._ordered)
-                            and (seq - next_seq) & SEQ_MAX < self._window
+                            (seq == (held[-1][0] + 1) & SEQ_MAX if held else seq == next_seq and self._quiet)
+                            and (seq == self._expected or not ordered)
+                            and (seq - next_seq) & SEQ_MAX < window
                         ):
                             metadata = payload[PREFIX_SIZE:]
-                            if self._has_body(metadata):
+                            if has_body(metadata):
                                 self._expected = (seq + 1) & SEQ_MAX
                                 held.append((seq, metadata))
                                 self._held_bytes += len(metadata)
                                 continue
                     self._metadata_in(payload)
-                else:
-                    held = self._held
-                    if held and tag == held[0][0]:
-                        # A packed body for the first held message: both released in one step.
-                        seq, metadata = held[0]
-                        if self._reorder.advance(seq, nbytes + len(metadata)):
-                            held.popleft()
-                            self._held_bytes -= len(metadata)
-                            self.events.append(
-                                MessageReady(
-                                    seq,
-                                    metadata,
-                                    BODY_PACKED,
-                                    self._keep(payload, metadata) if lent else payload,
-                                    nbytes,
-                                )
+                elif held and tag == held[0][0]:
+                    # A packed body for the first held message: both released in one step.
+                    seq, metadata = held[0]
+                    if reorder.advance(seq, nbytes + len(metadata)):
+                        held.popleft()
+                        self._held_bytes -= len(metadata)
+                        events.append(
+                            MessageReady(
+                                seq,
+                                metadata,
+                                BODY_PACKED,
+                                keep(payload, metadata) if lent else payload,
+                                nbytes,
                             )
-                            self._in_flight += nbytes
-                            if self._state is not _STREAMING:  # the end of stream came already
-                                self._released(())
-                            if self._in_flight >= self._max_in_flight and not self._paused:
-                                self._paused = True
-                                break  # (the rest waits for the consumer)
-                            continue
+                        )
+                        self._in_flight += nbytes
+                        if self._state is not _STREAMING:  # the end of stream came already
+                            self._released(())
+                        if self._in_flight >= self._max_in_flight and not self._paused:
+                            self._paused = self._moved = True
+                            break  # (the rest waits for the consumer)
+                        continue
+                    self._body_in(tag, payload, nbytes, lent)
+                else:
                     self._body_in(tag, payload, nbytes, lent)
                 if self._stop:
                     self._stop = False
                     break
-            if self._stalled_bodies or self._metadata_fits():
+            if self._stalled_bodies or (self._stalled_meta and self._metadata_fits()):
                 self._retry_stalled()
         except Exception as exc:
             self._fail(exc)
+        if self._moved:
+            self._repause()
         return taken
 
     def receive_metadata_message(self, buf: BytesLike) -> list[ClientEvent]:
@@ -369,6 +368,7 @@ class ClientStream:
         self._in_flight -= nbytes
         if self._paused and self._in_flight <= self._max_in_flight // 2:
             self._paused = False
+            self._repause()
             return True
         return False
 
@@ -401,7 +401,7 @@ class ClientStream:
     def _fail(self, exc: BaseException) -> NoReturn:
         self._state = ClientState.FAILED
         self._failure = str(exc)
-        self._fast = False
+        self._fast = self._quiet = False
         raise exc
 
     def _drain(self) -> list[ClientEvent]:
@@ -410,8 +410,9 @@ class ClientStream:
         return out
 
     def _settle(self) -> None:
-        """Whether the held run's fast path applies from now on."""
-        self._fast = self._state is _STREAMING and not self._stalled_meta and not self._stalled_bodies
+        """Whether the held run's fast path applies from now on (after anything but that path)."""
+        fast = self._fast = self._state is _STREAMING and not self._stalled_meta and not self._stalled_bodies
+        self._quiet = fast and not self._reorder.backlog
 
     def _metadata_in(self, buf: Any) -> None:
         """A metadata-stream message, by the general rules."""
@@ -468,14 +469,13 @@ class ClientStream:
         if self._stalled_bodies or self._ahead(seq_of(tag)):
             self._stalled_bodies.append((tag, payload, nbytes))
             self._stalled(nbytes)
-            self._fast = False
         else:
             self._body(tag, payload, nbytes)
         self._flow()
 
     def _flow(self) -> None:
         if self._in_flight >= self._max_in_flight and not self._paused:
-            self._paused = self._stop = True
+            self._paused = self._stop = self._moved = True
 
     def _ahead(self, seq: int) -> bool:
         """Whether input for ``seq`` must wait for releases (ahead of the window, within ``max_ahead``).
@@ -497,7 +497,7 @@ class ClientStream:
         """Input waits for the window: its source pauses, unless both streams share the link (then what it
         waits for comes after it), where the waiting bytes are bounded instead."""
         self._stalled_bytes += nbytes
-        self._fast = False
+        self._fast = self._quiet = False
         if self._shared:
             if self._stalled_bytes > self._stall_bound:
                 raise ResourceError(
@@ -505,7 +505,16 @@ class ClientStream:
                     f"{self._window}), more than max_in_flight_bytes ({self._stall_bound})"
                 )
             return
-        self._stop = True
+        self._stop = self._moved = True
+
+    def _repause(self) -> None:
+        """What :attr:`pauses` says now."""
+        self._moved = False
+        paused = self._paused
+        if self._shared:
+            self.pauses = (paused, paused)
+        else:
+            self.pauses = (bool(self._stalled_meta), paused or bool(self._stalled_bodies))
 
     def _metadata_fits(self) -> bool:
         """Whether enough of the metadata that waits for the window fits it now to be worth passing on: a
@@ -531,6 +540,7 @@ class ClientStream:
                     self._stall_metadata_from(prefix[1])
                     break
                 stalled_meta.popleft()
+                self._moved = True
                 self._stalled_bytes -= len(buf)
                 # held for its body as if it had just come (else every later message would meet a reorder
                 # buffer holding something, and none would pair again)
@@ -545,6 +555,7 @@ class ClientStream:
                 if self._ahead(seq_of(tag)):
                     break
                 stalled_bodies.popleft()
+                self._moved = True
                 self._stalled_bytes -= nbytes
                 self._body(tag, payload, nbytes)
                 progress = True
@@ -657,7 +668,8 @@ class ClientStream:
                 events.append(SchemaReceived(c.seq, c.metadata))
         reorder = self._reorder
         if not done and self._state is _STREAMING and not reorder.ended:
-            return  # nothing released, no end of stream: the state stays
+            self._settle()  # nothing released, no end of stream: the state stays (the reorder buffer moved)
+            return
         if reorder.finished:
             if self._state is not ClientState.FINISHED:
                 self._state = ClientState.FINISHED

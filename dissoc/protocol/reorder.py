@@ -198,7 +198,8 @@ class ReorderBuffer(Generic[M, B]):
         self._window = window
         self._max_pending_bytes = max_pending_bytes
         self._start = check_seq(start_seq)
-        self._next = self._start
+        #: The sequence number of the next message to release (read it; the buffer moves it).
+        self.next_seq = self._start
         self._released = 0
         self._slots: dict[int, _Slot[M, B]] = {}
         self._pending_bytes = 0
@@ -221,11 +222,6 @@ class ReorderBuffer(Generic[M, B]):
     def start_seq(self) -> int:
         """The sequence number of the first message (the schema)."""
         return self._start
-
-    @property
-    def next_seq(self) -> int:
-        """The sequence number of the next message to release."""
-        return self._next
 
     @property
     def released(self) -> int:
@@ -261,7 +257,7 @@ class ReorderBuffer(Generic[M, B]):
         outstanding. Constant time.
         """
         eos = self._eos
-        return eos is not None and self._held_metadata == ((eos - self._next) & SEQ_MAX)
+        return eos is not None and self._held_metadata == ((eos - self.next_seq) & SEQ_MAX)
 
     @property
     def held_metadata(self) -> int:
@@ -271,7 +267,7 @@ class ReorderBuffer(Generic[M, B]):
     @property
     def finished(self) -> bool:
         """End of stream seen and every message before it released."""
-        return self._eos is not None and self._next == self._eos and not self._slots
+        return self._eos is not None and self.next_seq == self._eos and not self._slots
 
     def accepts(self, seq: int) -> bool:
         """Whether ``seq`` is inside the window: less than :attr:`window` ahead of :attr:`next_seq`.
@@ -281,7 +277,7 @@ class ReorderBuffer(Generic[M, B]):
         after a known end of stream if they are inside the window. A driver deciding whether to wait should
         use :meth:`classify`, which tells these apart.
         """
-        return 0 <= seq_diff(seq, self._next) < self._window
+        return 0 <= seq_diff(seq, self.next_seq) < self._window
 
     def classify(self, seq: int) -> SeqClass:
         """Where input (metadata or body) for ``seq`` stands now; constant time, changes nothing.
@@ -307,7 +303,7 @@ class ReorderBuffer(Generic[M, B]):
         """
         if type(seq) is not int or not 0 <= seq <= SEQ_MAX:
             check_seq(seq)  # raises
-        nxt = self._next
+        nxt = self.next_seq
         d = (seq - nxt) & SEQ_MAX
         if d >= SEQ_HALF:
             return _RELEASED
@@ -326,13 +322,13 @@ class ReorderBuffer(Generic[M, B]):
         it included).
         """
         if self._eos is not None:
-            span = seq_distance(self._next, self._eos)
+            span = seq_distance(self.next_seq, self._eos)
         elif self._slots:
-            span = 1 + max(seq_distance(self._next, s) for s in self._slots)
+            span = 1 + max(seq_distance(self.next_seq, s) for s in self._slots)
         else:
             span = 0
         out: list[int] = []
-        seq = self._next
+        seq = self.next_seq
         for _ in range(span):
             slot = self._slots.get(seq)
             if slot is None or not slot.complete:
@@ -349,11 +345,11 @@ class ReorderBuffer(Generic[M, B]):
         the window (the checks of :meth:`classify`, raising)."""
         if type(seq) is not int or not 0 <= seq <= SEQ_MAX:
             check_seq(seq)  # raises
-        d = (seq - self._next) & SEQ_MAX
+        d = (seq - self.next_seq) & SEQ_MAX
         if d >= SEQ_HALF:  # more than half the space ahead means behind: already released
             raise ProtocolError(self._behind_message(seq, what))
         eos = self._eos
-        if eos is not None and d >= ((eos - self._next) & SEQ_MAX):
+        if eos is not None and d >= ((eos - self.next_seq) & SEQ_MAX):
             raise ProtocolError(
                 f"{what} for seq {fmt_seq(seq)}: expected only seqs before the end of stream "
                 f"(seq {fmt_seq(eos)}, the count of metadata messages), got one at or after it"
@@ -361,7 +357,7 @@ class ReorderBuffer(Generic[M, B]):
         if d >= self._window:
             raise ResourceError(
                 f"{what} for seq {fmt_seq(seq)}: expected a seq less than {self._window} ahead of "
-                f"{fmt_seq(self._next)}, got one {d} ahead"
+                f"{fmt_seq(self.next_seq)}, got one {d} ahead"
             )
         return d
 
@@ -369,16 +365,16 @@ class ReorderBuffer(Generic[M, B]):
         """Why input for ``seq``, more than half the sequence space ahead of :attr:`next_seq`, is refused: a
         duplicate when it is among the messages released, else out of range (a jump ahead no window could
         hold, or a seq before the stream's first)."""
-        back = (self._next - seq) & SEQ_MAX
+        back = (self.next_seq - seq) & SEQ_MAX
         if back <= self._released:
             return (
-                f"{what} for seq {fmt_seq(seq)}: expected seq {fmt_seq(self._next)} or later, but "
+                f"{what} for seq {fmt_seq(seq)}: expected seq {fmt_seq(self.next_seq)} or later, but "
                 f"{fmt_seq(seq)} was already released (duplicate?)"
             )
         return (
             f"{what} for seq {fmt_seq(seq)}: expected a seq less than {self._window} ahead of "
-            f"{fmt_seq(self._next)}, got one {(seq - self._next) & SEQ_MAX} ahead (out of range: not one of "
-            f"the {self._released} message(s) released)"
+            f"{fmt_seq(self.next_seq)}, got one {(seq - self.next_seq) & SEQ_MAX} ahead (out of range: not "
+            f"one of the {self._released} message(s) released)"
         )
 
     def _check_bytes(self, nbytes: int, seq: int, what: object) -> None:
@@ -423,7 +419,7 @@ class ReorderBuffer(Generic[M, B]):
         self._held_metadata += 1
         _log.debug("metadata seq=0x%08x has_body=%s (%d bytes)", seq, has_body, nbytes)
         # Only completing the next message to release can release anything.
-        return self._release() if seq == self._next and slot.complete else []
+        return self._release() if seq == self.next_seq and slot.complete else []
 
     def add_body(self, seq: int, body_type: int, body: B, nbytes: int) -> list[Complete[M, B]]:
         """Add the body of message ``seq``; return the messages now releasable, in order.
@@ -453,7 +449,7 @@ class ReorderBuffer(Generic[M, B]):
         slot.body_nbytes = nbytes
         self._pending_bytes += nbytes
         _log.debug("body seq=0x%08x type=%d (%d bytes)", seq, body_type, nbytes)
-        return self._release() if seq == self._next and slot.complete else []
+        return self._release() if seq == self.next_seq and slot.complete else []
 
     def advance(self, seq: int, nbytes: int) -> bool:
         """Release message ``seq`` in one step, for a caller that keeps its metadata and body itself (what
@@ -462,13 +458,13 @@ class ReorderBuffer(Generic[M, B]):
         already), and is now released; False changes nothing (the caller then goes through those two, which
         check the rest)."""
         if (
-            seq != self._next
+            seq != self.next_seq
             or self._slots
             or seq == self._eos
             or nbytes > self._max_pending_bytes - self._pending_bytes
         ):
             return False
-        self._next = (seq + 1) & SEQ_MAX
+        self.next_seq = (seq + 1) & SEQ_MAX
         self._released += 1
         return True
 
@@ -492,25 +488,25 @@ class ReorderBuffer(Generic[M, B]):
                 f"{where}: expected one end-of-stream message, got a second (the first carried "
                 f"{fmt_seq(self._eos)})"
             )
-        span = seq_distance(self._next, eos_seq)
+        span = seq_distance(self.next_seq, eos_seq)
         if span >= SEQ_HALF:
             raise ProtocolError(
-                f"{where}: expected seq {fmt_seq(self._next)} or later ({self._released} message(s) "
+                f"{where}: expected seq {fmt_seq(self.next_seq)} or later ({self._released} message(s) "
                 f"already released), got {fmt_seq(eos_seq)} which is behind it"
             )
         beyond_meta: list[int] = []
         orphan_bodies: list[int] = []
         for seq, slot in self._slots.items():
-            if seq_distance(self._next, seq) >= span:
+            if seq_distance(self.next_seq, seq) >= span:
                 (beyond_meta if slot.meta_arrived else orphan_bodies).append(seq)
         if beyond_meta:
-            last = max(beyond_meta, key=lambda s: seq_distance(self._next, s))
+            last = max(beyond_meta, key=lambda s: seq_distance(self.next_seq, s))
             raise ProtocolError(
                 f"{where}: expected a seq after every metadata message received, at least "
                 f"{fmt_seq(next_seq(last))}, got {fmt_seq(eos_seq)}"
             )
         if orphan_bodies:
-            orphan_bodies.sort(key=lambda s: seq_distance(self._next, s))
+            orphan_bodies.sort(key=lambda s: seq_distance(self.next_seq, s))
             raise ProtocolError(
                 f"{where}: expected bodies only for seqs before it, got bodies for seqs at or after it: "
                 f"{_fmt_seqs(orphan_bodies[:_MAX_LISTED], len(orphan_bodies) > _MAX_LISTED)}"
@@ -533,7 +529,7 @@ class ReorderBuffer(Generic[M, B]):
             listed = _fmt_seqs(missing[:_MAX_LISTED], more)
             raise ProtocolError(
                 f"stream closed: expected an end-of-stream message, got none after {self._released} released "
-                f"message(s) (next expected seq {fmt_seq(self._next)}; incomplete: {listed or 'none'})"
+                f"message(s) (next expected seq {fmt_seq(self.next_seq)}; incomplete: {listed or 'none'})"
             )
         no_meta: list[int] = []
         no_body: list[int] = []
@@ -562,22 +558,22 @@ class ReorderBuffer(Generic[M, B]):
         out: list[Complete[M, B]] = []
         slots = self._slots
         while True:
-            held = slots.get(self._next)
+            held = slots.get(self.next_seq)
             if held is None or not held.complete:
                 break
             slot = held
-            del slots[self._next]
+            del slots[self.next_seq]
             self._pending_bytes -= slot.meta_nbytes + slot.body_nbytes
             self._held_metadata -= 1
             out.append(
                 Complete(
-                    self._next,
+                    self.next_seq,
                     slot.metadata,  # type: ignore[arg-type]  # set when meta_arrived
                     slot.body_type if slot.has_body else None,
                     slot.body if slot.has_body else None,
                     slot.body_nbytes,
                 )
             )
-            self._next = (self._next + 1) & SEQ_MAX
+            self.next_seq = (self.next_seq + 1) & SEQ_MAX
             self._released += 1
         return out

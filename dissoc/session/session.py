@@ -36,6 +36,8 @@ __all__ = ["Session"]
 
 log = logging.getLogger("dissoc.client")  # (the client's lines, wherever its machinery lives)
 
+_FINISHED = ClientState.FINISHED  # (a module global: cheaper than the enum's attribute)
+
 
 def _copy_kept(payload: memoryview, metadata: bytes | None) -> object:
     return copied(payload)
@@ -181,11 +183,10 @@ class Session:
             waiter = self._wakeup
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
-        if stream.state is ClientState.FINISHED:
+        if stream.state is _FINISHED:
             self.done = True
-        pauses = stream.pauses
-        if pauses != self._pauses:
-            self._pause(pauses)
+        if stream.pauses is not self._pauses:
+            self._pause(stream.pauses)
         return taken
 
     def failed(self, exc: BaseException) -> None:

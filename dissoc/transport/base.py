@@ -28,8 +28,9 @@ A backend (:mod:`dissoc.transport.tcp`, :mod:`~dissoc.transport.tls`, :mod:`~dis
 and it receives through five calls: ``_admit(tagged, tag, length)`` (may a message be read now, or should
 reading pause), ``_accept(tag, length)`` (its tag's limit and the shared receive budget, once admitted),
 ``_allocate(tag, length)`` (where its payload goes), ``_deliver(tag, payload, nbytes)`` (one received message
-to the receiver, a waiting consumer or the inbox) or ``_offer(messages)`` (messages still in the transport's
-own buffer, lent to the receiver in one call), and ``_fail(exc)``. :func:`check_u64`, :func:`as_views` and
+to the receiver, a waiting consumer or the inbox; ``_deliver_all`` for several, handed to a receiver in one
+call) or ``_offer(messages)`` (messages still in the transport's own buffer, lent to the receiver in one
+call), and ``_fail(exc)``. :func:`check_u64`, :func:`as_views` and
 :func:`fresh_error` are helpers for them; :mod:`dissoc.transport.registry` maps URI schemes to their
 ``connect``/``serve`` functions.
 """
@@ -667,6 +668,16 @@ class Connection(abc.ABC):
             return
         self._held.add(held.message, nbytes)
         self._buffered += nbytes
+
+    def _deliver_all(self, messages: list[Received]) -> None:
+        """Several received messages, oldest first, each payload its receiver's to keep: handed to the
+        receiver in one call; any it leaves go on one by one as :meth:`_deliver` has it."""
+        receiver = self._receiver
+        taken = receiver.on_messages(messages, False) if receiver is not None and messages else 0
+        if taken and self._budget is not None:
+            self._unreserve(sum(nbytes for _, _, nbytes in messages[:taken]))
+        for tag, payload, nbytes in messages[taken:]:
+            self._deliver(tag, payload, nbytes)
 
     def _offer(self, messages: list[Received]) -> int:
         """Offer messages whose tagged payloads are still in the transport's own buffer (lent for the call)

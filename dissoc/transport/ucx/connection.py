@@ -26,6 +26,7 @@ from dissoc.transport.base import (
     Connection,
     MessageTooLargeError,
     ReceiveBudget,
+    Received,
     SendData,
     as_views,
     check_u64,
@@ -277,19 +278,25 @@ class UcxConnection(Connection):
             if not done:
                 return False
             self._tagged = still
+        received: list[Received] = []  # (for a receiver: handed over in one call)
         for item in done:
             self._inflight -= item.length
             self._release_claim(item.waiter)
             try:
                 item.request.check_error()
             except Exception as exc:
+                self._deliver_all(received)
                 self._teardown(
                     TransportError(
                         f"{self._description}: receiving tagged message {item.tag:#018x} failed: {exc}"
                     )
                 )
                 return True
-            self._deliver(item.tag, item.buffer, item.length)
+            if self._receiver is not None:
+                received.append((item.tag, item.buffer, item.length))
+            else:
+                self._deliver(item.tag, item.buffer, item.length)
+        self._deliver_all(received)
         return True
 
     def _release_claim(self, waiter: int) -> None:
@@ -308,10 +315,12 @@ class UcxConnection(Connection):
             self._teardown(am.error)
             return True
         activity = False
+        received: list[Received] = []  # (for a receiver: handed over in one call)
         while not self._closed:
             length = am.ready()
             if length is None:
                 if am.error is not None:
+                    self._deliver_all(received)
                     self._teardown(am.error)
                     return True
                 break
@@ -327,9 +336,14 @@ class UcxConnection(Connection):
             try:
                 self._accept(None, len(message))
             except DissocError as exc:
+                self._deliver_all(received)
                 self._teardown(exc)
                 return True
-            self._deliver(None, message, len(message))
+            if self._receiver is not None:
+                received.append((None, message, len(message)))
+            else:
+                self._deliver(None, message, len(message))
+        self._deliver_all(received)
         return activity
 
     def _may_take(self, length: int, wanted: bool) -> bool:
