@@ -258,10 +258,11 @@ class ClientStream:
     def receive(self, messages: Iterable[Received], *, lent: bool = False) -> int:
         """Take received messages, oldest first; events go to :attr:`events`. Returns how many were taken:
         all of them, unless the stream finished on the way (the rest are not its own; input that comes once it
-        finished is a :class:`~dissoc.errors.ProtocolError`) or reading was asked
-        to pause on the way (see :attr:`pauses`: the driver keeps the rest and offers them again once it
-        resumes). ``lent``: the payloads are valid only during the call (a transport's staging buffer); what
-        the stream keeps goes through ``keep``. Raises what a peer broke (the stream is failed then)."""
+        finished is a :class:`~dissoc.errors.ProtocolError`) or reading was asked to pause on the way (see
+        :attr:`pauses`: the driver keeps the rest and offers them again once it
+        resumes). ``lent``: the tagged payloads are valid only during the call (a transport's staging
+        buffer; metadata-stream messages are always the caller's own bytes): what the stream keeps of them
+        goes through ``keep``. Raises what a peer broke (the stream is failed then)."""
         if self._state is ClientState.FAILED:
             self._check_usable("input")
         taken = 0
