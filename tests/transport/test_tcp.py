@@ -191,7 +191,7 @@ class _Recording:
         taken = messages[:most] if len(messages) > 1 else messages
         if len(taken) < len(messages):
             self.conn.pause_reading()
-            asyncio.get_running_loop().call_later(0.002, self.conn.resume_reading)
+            asyncio.get_running_loop().call_soon(self.conn.resume_reading)
         for tag, payload, nbytes in taken:
             data = bytes(memoryview(payload).cast("B"))
             assert len(data) == nbytes
