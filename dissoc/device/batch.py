@@ -391,6 +391,27 @@ class DeviceBatch:
         self._replay(messages, layouts)
         return self
 
+    @classmethod
+    def _plain(
+        cls,
+        backend: DeviceBackend,
+        schema_metadata: bytes,
+        info: SchemaInfo,
+        message: DeviceMessage,
+        layout: MessageLayout,
+    ) -> DeviceBatch:
+        """A batch of one checked RecordBatch message whose fields use no dictionary (no replay needed)."""
+        self = cls.__new__(cls)
+        self.backend = backend
+        self.schema_metadata = schema_metadata
+        self._info = info
+        self.messages = [message]
+        self.message_layouts = [layout]
+        self._layout = layout
+        self._state = {}
+        self._columns = None
+        return self
+
     def _replay(self, messages: list[DeviceMessage], layouts: list[MessageLayout]) -> None:
         """Check the message order and resolve which dictionary messages each field refers to."""
         if not messages:
@@ -599,6 +620,8 @@ class DeviceDecoder:
         self._dicts: dict[int, tuple[_Entry, ...]] = {}
         self._seq = 0
         self._layouts: dict[bytes, MessageLayout] = {}
+        #: The dictionary ids each cached layout's fields use directly (by metadata, like _layouts).
+        self._dictionary_uses: dict[bytes, tuple[int, ...]] = {}
 
     @property
     def schema(self) -> pa.Schema | None:
@@ -650,8 +673,11 @@ class DeviceDecoder:
             )
         lay = message_layout(self._info, metadata, parsed=msg)
         if len(self._layouts) >= _CACHE_SIZE:
-            self._layouts.pop(next(iter(self._layouts)))
+            oldest = next(iter(self._layouts))
+            del self._layouts[oldest]
+            self._dictionary_uses.pop(oldest, None)
         self._layouts[metadata] = lay
+        self._dictionary_uses[metadata] = tuple(set(_dictionary_ids(lay.fields)))
         return lay
 
     def _land(self, lay: MessageLayout, metadata: bytes, body: Any) -> DeviceBatch | None:
@@ -680,6 +706,10 @@ class DeviceDecoder:
             self._dicts[did] = (*prev, entry) if lay.is_delta and prev is not None else (entry,)
             log.debug("device dictionary id=%#x delta=%s bytes=%d", did, lay.is_delta, lay.body_length)
             return None
+        uses = self._dictionary_uses.get(metadata)
+        if uses == ():  # no dictionaries (the common case): nothing to resolve or replay
+            message = DeviceMessage(metadata, body)
+            return DeviceBatch._plain(self.backend, self._schema_metadata, info, message, lay)
         needed = sorted({id(e): e for e in self._needs(lay, "RecordBatch")}.values(), key=lambda e: e.seq)
         messages = [e.message for e in needed]
         messages.append(DeviceMessage(metadata, body))

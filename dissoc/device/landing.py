@@ -54,6 +54,8 @@ class DeviceLanding:
         self.decoder = DeviceDecoder(backend=self.backend)
         self.validate = validate
         self._mirror: MessageDecoder | None = None  # set with the schema, when contents need checking
+        #: metadata -> (the parsed message, its buffers' (offset, length) rows, their offsets)
+        self._parsed: dict[bytes, tuple[Any, Any, list[int]]] = {}
 
     @property
     def receives_on_device(self) -> bool:
@@ -101,10 +103,17 @@ class DeviceLanding:
     ) -> tuple[DeviceBatch | None, list[int]]:
         """A pair-list body; returns the batch and the offsets that may be freed now."""
         meta = bytes(metadata)
-        parsed = parse(meta)
-        if parsed.batch is None:
-            raise ProtocolError("address/length pairs arrived for a message without a body")
-        spans = parsed.batch.buffers
+        known = self._parsed.get(meta)
+        if known is None:
+            parsed = parse(meta)
+            if parsed.batch is None:
+                raise ProtocolError("address/length pairs arrived for a message without a body")
+            # Streams of same-shaped batches repeat their metadata byte for byte: parsed once.
+            if len(self._parsed) >= 64:
+                del self._parsed[next(iter(self._parsed))]
+            spans = parsed.batch.buffers
+            known = self._parsed[meta] = (parsed, spans, [int(o) for o in spans[:, 0]])
+        parsed, spans, at = known
         rows = pairs.pairs
         if len(rows) != len(spans):
             raise ProtocolError(f"the metadata lists {len(spans)} buffers, the pair list {len(rows)}")
@@ -124,7 +133,7 @@ class DeviceLanding:
         gather = getattr(reader, "gather_into", None)
         if gather is not None:  # device memory: one device-to-device copy per range, straight into place
             body = self.backend.empty(parsed.body_length)
-            done = gather(pairs, body, [int(o) for o in spans[:, 0]])
+            done = gather(pairs, body, at)
             return self._land(meta, body), done
         buffers, done = reader.read(pairs)
         host = np.zeros(parsed.body_length, np.uint8)

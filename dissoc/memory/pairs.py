@@ -17,7 +17,9 @@ one ``pa.Buffer`` (or None when empty) per pair and tells which offsets may be f
 return buffers that free their ranges when the last of them is released (``on_release``).
 ``read_device(pairs)`` is the same with device arrays (the device landing): for ``memory=cuda`` views over
 the mapped allocation (zero-copy) or device-to-device copies; for ``shm`` and ``ucx``, host reads uploaded
-to the device. A ``memory=cuda`` reader opens the IPC handle once, when it is made (one reader per stream).
+to the device. A ``memory=cuda`` reader maps the IPC handle when it is made (one reader per stream), or
+takes the mapping an earlier stream left (:mod:`dissoc.memory.mappings`: kept per process while in use and
+for a while after).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import pyarrow as pa
 from dissoc.buffers import DEFAULT_POOL
 from dissoc.errors import DissocError, ProtocolError, ResourceError
 from dissoc.memory.cuda import IPC_HANDLE_BYTES, DeviceAllocation, DeviceBackend, get_backend
+from dissoc.memory.mappings import MAPPINGS
 from dissoc.memory.shm import ShmArena, ShmView, cleanup_stale
 from dissoc.protocol import PairList
 from dissoc.uri import DissocURI
@@ -157,6 +160,9 @@ class PairReader:
 
     def close(self) -> None:
         """Let go of what the reader holds (zero-copy buffers already handed out stay valid)."""
+
+    def forget(self) -> None:
+        """The stream failed: what the reader keeps for later streams (a mapping) goes when it closes."""
 
 
 class _ShmCopy(PairReader):
@@ -393,8 +399,10 @@ class _CudaReader(_Leasing):
         self.backend = get_backend() if backend is None else backend
         super().__init__(on_release)
         self.zero_copy = zero_copy
-        self._allocation: DeviceAllocation | None = self.backend.open_ipc(handle, self.length)
-        log.debug("mapped a %d-byte device allocation (%s)", self.length, self.backend.name)
+        self._handle = handle
+        self._forget = False
+        # Kept mapped between streams (see dissoc.memory.mappings): mapping costs milliseconds.
+        self._allocation: DeviceAllocation | None = MAPPINGS.acquire(self.backend, handle, self.length)
 
     def _rows(self, pairs: PairList) -> tuple[DeviceAllocation, list[tuple[int, int]]]:
         """The mapping and the pairs, every non-empty one checked against ``cuda_length``."""
@@ -487,8 +495,10 @@ class _CudaReader(_Leasing):
         with self._lock:
             allocation, self._allocation = self._allocation, None
         if allocation is not None:
-            allocation.close()
-            log.debug("unmapped the %d-byte device allocation", self.length)
+            MAPPINGS.release(self.backend, self._handle, self.length, forget=self._forget)
+
+    def forget(self) -> None:
+        self._forget = True
 
     def close(self) -> None:
         """Stop reading; unmap the allocation now, or when the last zero-copy view still alive is released."""

@@ -57,6 +57,7 @@ class Frees:
         self.conn: Connection | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._scheduled = False
+        self._nudge: asyncio.Future[bool] | None = None  # a lingering session waits on it (see linger)
 
     def released(self, offsets: list[int]) -> None:
         """A zero-copy batch was released (in any thread): free its ranges from the event loop."""
@@ -68,6 +69,9 @@ class Frees:
 
     def _later(self, offsets: list[int]) -> None:
         self.pending.extend(offsets)
+        nudge = self._nudge
+        if nudge is not None and not nudge.done():
+            nudge.set_result(True)
         if not self._scheduled and self.conn is not None:
             # One flush for every release that happens before it runs (free_data messages are coalesced).
             self._scheduled = True
@@ -91,7 +95,24 @@ class Frees:
             CLIENT.free_data.inc(self.data_uri.scheme)
 
     async def linger(self, idle: threading.Event) -> None:
-        """Flush as zero-copy batches are released, until the last one is (``idle``)."""
+        """Flush as zero-copy batches are released, until the last one is (``idle``): woken by each release
+        (the connection goes back to the pool as soon as the last batch is gone), and every 50 ms anyway
+        (the releasing thread marks the reader idle just after it hands over the ranges)."""
+        loop = asyncio.get_running_loop()
+        wait = 0.001
         while not idle.is_set():
-            await asyncio.sleep(0.05)
+            # (not asyncio.wait_for: in Python 3.11 it can swallow a cancellation that meets a release)
+            nudge = self._nudge = loop.create_future()
+            timer = loop.call_later(wait, _expire, nudge)
+            try:
+                nudged = await nudge
+            finally:
+                timer.cancel()
+                self._nudge = None
+            wait = 0.001 if nudged else min(0.05, wait * 4)
             await self.flush_quietly()
+
+
+def _expire(nudge: asyncio.Future[bool]) -> None:
+    if not nudge.done():
+        nudge.set_result(False)

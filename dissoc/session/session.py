@@ -118,14 +118,10 @@ class Session:
         self.meta_conn: Connection | None = None
         self.data_conn: Connection | None = None
         self.conns: list[Connection] = []
-        # Connections carrying packed bodies come from, and go back to, the loop's pool (zero-copy batches
-        # keep the server's ranges, tied to the connection, until they are released).
-        self.pooled = (
-            pooled
-            and options.reuse_connections is not False
-            and not options.zero_copy
-            and options.landing == "host"
-        )
+        # Connections come from, and go back to, the loop's pool, whatever the stream lands: host or device
+        # batches, copies or zero-copy views. A zero-copy stream's connection goes back only once the last of
+        # its batches was released and its ranges freed (see close): they are tied to the connection.
+        self.pooled = pooled and options.reuse_connections is not False
         self.reused = False  # some connection came from the pool
         self._wakeup: asyncio.Future[None] | None = None
         self._pauses = (False, False)
@@ -320,6 +316,8 @@ class Session:
             with contextlib.suppress(DissocError):
                 await c.close()
         if self.decoding.pairs is not None:
+            if self.errored:
+                self.decoding.pairs.forget()  # (the server may be gone: keep nothing mapped for it)
             self.decoding.pairs.close()
 
 
