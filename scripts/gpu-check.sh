@@ -29,22 +29,33 @@
 #
 # Environment: PYTHON (default .venv/bin/python where it exists, else python3); WHEELS (default .whl).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+caller="$PWD"
+script="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+cd "$(dirname "$script")/.."
 
 fake=0
 out=""
 for arg in "$@"; do
     case "$arg" in
         --fake) fake=1 ;;
-        -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,/^set -uo/p' "$script" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         -*) echo "usage: bash scripts/gpu-check.sh [--fake] [OUT_DIR]" >&2; exit 2 ;;
         *) out="$arg" ;;
     esac
 done
-out="${out:-${OUT:-gpu-check-out}}"
-mkdir -p "$out"
+# OUT_DIR and WHEELS are taken from where the script was started; the defaults are in the checkout.
+out="${out:-${OUT:-}}"
+if [ -n "$out" ]; then
+    case "$out" in /*) ;; *) out="$caller/$out" ;; esac
+else
+    out=gpu-check-out
+fi
+mkdir -p "$out" || exit 2
 out="$(cd "$out" && pwd)"
 wheels="${WHEELS:-.whl}"
+if [ -n "${WHEELS:-}" ]; then
+    case "$wheels" in /*) ;; *) wheels="$caller/$wheels" ;; esac
+fi
 if [ -n "${PYTHON:-}" ]; then
     py="$PYTHON"
 elif [ -x .venv/bin/python ]; then
