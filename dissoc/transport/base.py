@@ -297,6 +297,13 @@ class Connection(abc.ABC):
         ``"CN=alice,O=Example"``. None on transports without certificates, and without one."""
         return None
 
+    def lanes(self) -> tuple[str, ...]:
+        """What carries this connection's bytes below the transport, as ``"transport/device"`` names: for UCX
+        the transport and device of each of its data endpoint's lanes (``"tcp/lo"``, ``"sysv/memory"``,
+        ``"cuda_ipc/cuda"``...); empty where the transport has nothing to tell (TCP, TLS, in-process) or the
+        connection is closed."""
+        return ()
+
     def set_allocator(self, allocator: Allocator | None) -> None:
         """Set the placement hook for tagged payloads (None restores :func:`default_allocator`).
 
