@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from dissoc.errors import (
     CodecError,
+    DevicePathError,
     DissocError,
     ProtocolError,
     RemoteError,
@@ -25,6 +26,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "CodecError",
+    "DevicePathError",
     "DissocError",
     "ProtocolError",
     "RemoteError",

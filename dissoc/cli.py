@@ -342,6 +342,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="pairs: batches over the server's shared (or, landing on the device, CUDA IPC) memory",
     )
+    g.add_argument(
+        "--require-device-path",
+        action="store_true",
+        help="with --landing device: fail (exit 1) rather than land bodies that went through host memory "
+        "(packed over TCP, pairs in shm or ucx memory); without it they are uploaded, with a warning",
+    )
     _tls_get_flags(g)
     g.add_argument(
         "--token",
@@ -552,6 +558,8 @@ async def _get(args: argparse.Namespace) -> int:
     from dissoc import codec
     from dissoc.client import ClientOptions, FetchStats, stream_batches
 
+    if args.require_device_path and args.landing != "device":
+        raise DissocError("--require-device-path applies to --landing device")
     options = ClientOptions(
         timeout=args.timeout,
         ucx_path=args.ucx_path,
@@ -562,6 +570,7 @@ async def _get(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         token=args.token or os.environ.get(TOKEN_ENV) or None,
+        require_device_path=args.require_device_path,
     )
     stats = FetchStats()
     progress = _Progress(not args.no_progress)
@@ -611,7 +620,11 @@ async def _get(args: argparse.Namespace) -> int:
         "bytes": nbytes,
         "seconds": round(seconds, 6),
         "gb_per_s": round(nbytes / seconds / 1e9, 3) if seconds > 0 else None,
+        # the path the bytes took (the first stream's; each one's under "paths" when there were several)
+        "path": stats.path.as_dict() if stats.path is not None else None,
     }
+    if len(stats.paths) > 1:
+        summary["paths"] = [p.as_dict() for p in stats.paths]
     if args.output is not None:
         summary["output"] = str(args.output)
     sys.stdout.write(json.dumps(summary) + "\n")

@@ -33,7 +33,7 @@ from dissoc.flight.common import is_flight_location
 from dissoc.session.connect import open_connection
 from dissoc.session.decoding import Batch
 from dissoc.session.frees import settle
-from dissoc.session.options import ClientOptions, FetchStats
+from dissoc.session.options import ClientOptions, FetchPath, FetchStats
 from dissoc.session.pool import pool_of
 from dissoc.session.reading import read_stream
 from dissoc.session.runners import LoopRunner, SharedRunner, ThreadRunner, close_idle_main, main_runner, run
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Batch",
     "ClientOptions",
+    "FetchPath",
     "FetchStats",
     "StreamReader",
     "close_idle_connections",
@@ -158,9 +159,11 @@ async def stream_chunks(
                 total.batches += part.batches
                 total.rows += part.rows
                 total.bytes += part.bytes
+                total.paths += part.paths
     finally:
         if stats is not None:
             stats.batches, stats.rows, stats.bytes = total.batches, total.rows, total.bytes
+            stats.paths = total.paths
 
 
 class _SameSchema:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "CodecError",
+    "DevicePathError",
     "DissocError",
     "ProtocolError",
     "RemoteError",
@@ -44,3 +45,8 @@ class RemoteError(DissocError):
 
 class ResourceError(DissocError):
     """A memory or in-flight limit would be exceeded."""
+
+
+class DevicePathError(DissocError):
+    """Bodies landing on the device would go through host memory, and the client required the device path
+    (``ClientOptions(require_device_path=True)``, ``dissoc get --require-device-path``)."""

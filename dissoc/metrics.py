@@ -313,10 +313,16 @@ class ClientMetrics:
         self.streams_failed = Family(
             "dissoc_client_streams_failed_total",
             "Streams that failed, by reason (the server's error code, transport, protocol, resource, "
-            "closed_early: the consumer stopped reading)",
+            "device_path, closed_early: the consumer stopped reading)",
             ("transport", "reason"),
         )
         self.free_data = Family("dissoc_client_free_data_total", "free_data messages sent", ("transport",))
+        self.device_host_copies = Family(
+            "dissoc_client_device_host_copies_total",
+            "Streams landing on the device whose bodies went through host memory (received on the host, "
+            "then uploaded), by data transport and body",
+            ("transport", "body"),
+        )
         self._received = _Tallies("dissoc_client_received", "received and decoded")
         self.time_to_first_batch = Histogram(
             "dissoc_client_time_to_first_batch_seconds",
@@ -330,6 +336,7 @@ class ClientMetrics:
     def families(self) -> list[Exported]:
         out = [_family(f) for f in (self.streams_started, self.streams_finished, self.streams_failed)]
         out.append(_family(self.free_data))
+        out.append(_family(self.device_host_copies))
         out.extend(self._received.families())
         out.append(_histogram(self.time_to_first_batch))
         return out

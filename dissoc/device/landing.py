@@ -13,6 +13,11 @@ Where the body arrives decides how it gets to the device, never what the consume
 * **pairs in host memory** (``shm``, ``ucx``): the ranges are read on the host, gathered as the metadata lays
   them out, and uploaded once.
 
+Each call notes the way its body took in :attr:`DeviceLanding.way` (:data:`RECEIVED`, :data:`HOST_COPY`,
+:data:`CUDA_IPC_VIEW`, :data:`CUDA_IPC_COPY`, in the order of the list above; empty for a message without a
+body): what the client reports as the stream's path (``FetchPath.device_landing``), and what it warns about,
+or refuses with ``ClientOptions(require_device_path=True)``, when it is :data:`HOST_COPY`.
+
 Compressed bodies cannot land on the device (:class:`~dissoc.errors.CodecError`): ask the server for
 uncompressed ones, or land on the host.
 
@@ -41,9 +46,21 @@ from dissoc.memory.cuda import DeviceBackend, get_backend
 from dissoc.memory.pairs import PairReader
 from dissoc.protocol import PairList
 
-__all__ = ["DeviceLanding"]
+__all__ = ["CUDA_IPC_COPY", "CUDA_IPC_VIEW", "HOST_COPY", "RECEIVED", "WAYS", "DeviceLanding"]
 
 log = logging.getLogger(__name__)
+
+#: A packed body received into device memory by the transport (UCX's CUDA transports).
+RECEIVED = "received"
+#: A body that was in host memory (packed over TCP or into host buffers, pairs in ``shm`` or ``ucx`` memory),
+#: uploaded: the path through the host.
+HOST_COPY = "host-copy"
+#: ``memory=cuda`` pairs read zero-copy: a view over the server's allocation, mapped through CUDA IPC.
+CUDA_IPC_VIEW = "cuda-ipc-view"
+#: ``memory=cuda`` pairs copied device to device from the server's allocation, mapped through CUDA IPC.
+CUDA_IPC_COPY = "cuda-ipc-copy"
+#: Every way, as above.
+WAYS = (RECEIVED, HOST_COPY, CUDA_IPC_VIEW, CUDA_IPC_COPY)
 
 
 class DeviceLanding:
@@ -56,6 +73,8 @@ class DeviceLanding:
         self._mirror: MessageDecoder | None = None  # set with the schema, when contents need checking
         #: metadata -> (the parsed message, its buffers' (offset, length) rows, their offsets)
         self._parsed: dict[bytes, tuple[Any, Any, list[int]]] = {}
+        #: How the last body reached the device (one of :data:`WAYS`; empty: the message had none).
+        self.way = ""
 
     @property
     def receives_on_device(self) -> bool:
@@ -90,12 +109,16 @@ class DeviceLanding:
     def packed(self, metadata: Any, body: Any) -> DeviceBatch | None:
         """A packed body, in device memory or host memory."""
         if body is None:
+            self.way = ""
             return self.decoder.decode(bytes(metadata), None)
         if device_nbytes(body) is None and not self.backend.is_device_array(body):
+            self.way = HOST_COPY
             if self._mirror is not None:  # on the host already: check it there before the upload
                 self._mirror.decode(bytes(metadata), body)
                 return self.decoder.decode(bytes(metadata), self.backend.upload(body))
             body = self.backend.upload(body)
+        else:
+            self.way = RECEIVED
         return self._land(bytes(metadata), body)
 
     def pairs(
@@ -125,6 +148,7 @@ class DeviceLanding:
             )
         span = getattr(reader, "device_span", None)
         if span is not None and reader.zero_copy:
+            self.way = CUDA_IPC_VIEW
             view, low, high = span(pairs)
             if view is None:  # every buffer is empty
                 return self._land(meta, self.backend.empty(parsed.body_length)), []
@@ -132,9 +156,11 @@ class DeviceLanding:
             return self._land(rewritten, view), []
         gather = getattr(reader, "gather_into", None)
         if gather is not None:  # device memory: one device-to-device copy per range, straight into place
+            self.way = CUDA_IPC_COPY
             body = self.backend.empty(parsed.body_length)
             done = gather(pairs, body, at)
             return self._land(meta, body), done
+        self.way = HOST_COPY
         buffers, done = reader.read(pairs)
         host = np.zeros(parsed.body_length, np.uint8)
         for (offset, n), buf in zip(spans.tolist(), buffers, strict=True):

@@ -5,22 +5,30 @@ A :class:`~dissoc.protocol.MessageReady` carries its body as it arrived: landed 
 pointing into the server's memory. :meth:`Decoding.message` decodes any of them over the memory it is in (no
 copy, every offset checked against the bytes present) and counts what it carried; :meth:`Decoding.schema`
 and :meth:`Decoding.arena` take the other events.
+
+It also keeps the path the stream's bytes took (:attr:`Decoding.path`, a
+:class:`~dissoc.session.options.FetchPath`). Landing on the device, the first body that went through host
+memory is logged once (a warning) and counted (``dissoc_client_device_host_copies_total``), or, with
+``ClientOptions(require_device_path=True)``, raised as :class:`~dissoc.errors.DevicePathError` instead of
+handing its batch out.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeAlias
 
 import pyarrow as pa
 
 from dissoc.codec import MessageDecoder
-from dissoc.errors import DissocError, ProtocolError
+from dissoc.errors import DevicePathError, DissocError, ProtocolError
 from dissoc.memory.pairs import PairReader, open_pair_reader
+from dissoc.metrics import CLIENT
 from dissoc.protocol import BODY_PACKED, BODY_PAIRS, ArenaAnnouncement, MessageReady, PairList, fmt_seq
 from dissoc.session.landing import Landed
-from dissoc.session.options import ClientOptions, FetchStats
+from dissoc.session.options import HOST_COPY, ClientOptions, FetchPath, FetchStats
 from dissoc.uri import DissocURI
 
 if TYPE_CHECKING:
@@ -34,10 +42,24 @@ Batch: TypeAlias = "pa.RecordBatch | DeviceBatch"
 
 _ArenaKey: TypeAlias = "tuple[str, bytes | None, tuple[tuple[str, str], ...]]"
 
+log = logging.getLogger("dissoc.client")  # (the client's lines, wherever its machinery lives)
+
+#: What a stream landing on the device through host memory is told to do instead.
+DEVICE_PATH_ADVICE = (
+    "for the device path, fetch over UCX (a ucx:// URI) with CuPy and a CUDA-capable UCX build, whose CUDA "
+    "transports receive packed bodies into device memory, or from a server whose pairs are in device memory "
+    "(--body pairs --memory cuda: CUDA IPC)"
+)
+
 
 def _arena_key(uri: DissocURI) -> _ArenaKey:
     """What tells two arenas apart: memory kind, handle and the kind's parameters."""
     return (str(uri.memory), uri.remote_handle, tuple(sorted(uri.params.items())))
+
+
+def _arena_kind(uri: DissocURI) -> str:
+    """``FetchPath.arena`` for a data URI with pairs: one arena per connection, or one for every client."""
+    return "private" if uri.params.get("arena") == "private" else "shared"
 
 
 class Decoding:
@@ -56,6 +78,17 @@ class Decoding:
         self.data_uri = data_uri
         self.decoder = MessageDecoder(validate=options.validate)
         self.stats = FetchStats()
+        memory = data_uri.memory
+        #: The path the stream's bytes took (the metadata transport and UCX lanes are known once it began:
+        #: :meth:`began`; device landing ways as bodies land).
+        self.path = FetchPath(
+            transport=data_uri.scheme,
+            data_transport=data_uri.scheme,
+            bodies="packed" if memory is None else "pairs",
+            memory=memory,
+            arena=None if memory is None else _arena_kind(data_uri),
+        )
+        self._ways = {""}  # the device landing ways seen (and none: a message without a body)
         self.to_free = to_free
         self._on_release = on_release
         self.device: DeviceLanding | None = None
@@ -74,6 +107,11 @@ class Decoding:
                 data_uri, zero_copy=options.zero_copy, on_release=on_release, timeout=options.timeout
             )
             self._arena = _arena_key(data_uri)
+
+    def began(self, transport: str, lanes: tuple[str, ...]) -> None:
+        """The stream began: the metadata connection's scheme and the data connection's lanes (UCX's
+        transports, :meth:`dissoc.transport.Connection.lanes`) complete :attr:`path`."""
+        self.path = dataclasses.replace(self.path, transport=transport, ucx_transports=lanes)
 
     @property
     def lands_on_host(self) -> bool:
@@ -103,8 +141,11 @@ class Decoding:
             batch = self._pairs(ev, body)
             size = int(body.total)
         elif ev.body_type == BODY_PACKED:
-            if self.device is not None:
-                batch = self.device.packed(ev.metadata, body)
+            device = self.device
+            if device is not None:
+                batch = device.packed(ev.metadata, body)
+                if device.way not in self._ways:
+                    self._landed(device.way)
             else:
                 batch = self.decoder.decode(ev.metadata, body)
             size = ev.nbytes
@@ -127,13 +168,46 @@ class Decoding:
                 else "the data URI names no memory"
             )
             raise ProtocolError(f"message {fmt_seq(ev.seq)}: address/length pairs, but {where} for them")
-        if self.device is not None:
-            batch, done = self.device.pairs(ev.metadata, pairs, reader)
+        device = self.device
+        if device is not None:
+            batch, done = device.pairs(ev.metadata, pairs, reader)
             self.to_free.extend(done)
+            if device.way not in self._ways:
+                self._landed(device.way)
             return batch
         buffers, done = reader.read(pairs)
         self.to_free.extend(done)
         return self.decoder.decode_scattered(ev.metadata, buffers)
+
+    def _landed(self, way: str) -> None:
+        """A body reached the device a way this stream had not taken yet: noted in the path; through host
+        memory, warned about and counted once, or refused (``require_device_path``)."""
+        self._ways.add(way)
+        path = self.path = dataclasses.replace(self.path, device_landing=(*self.path.device_landing, way))
+        if way != HOST_COPY:
+            return
+        CLIENT.device_host_copies.inc(path.data_transport, path.bodies)
+        if path.bodies == "pairs":
+            how = f"this stream's pairs point into host memory (memory={path.memory}) and were read there"
+        elif path.data_transport == "ucx":
+            assert self.device is not None
+            how = (
+                "this stream's packed bodies over ucx were received into host memory (the device backend is "
+                f"{self.device.backend.name!r}, not CuPy)"
+            )
+        else:
+            how = f"this stream's packed bodies over {path.data_transport} were received into host memory"
+        if self.options.require_device_path:
+            raise DevicePathError(
+                f"landing='device' with require_device_path: {how}, then uploaded to the device; "
+                f"{DEVICE_PATH_ADVICE}"
+            )
+        log.warning(
+            "landing='device', but %s, then uploaded to the device (warned once per stream; "
+            "ClientOptions(require_device_path=True) makes it an error); %s",
+            how,
+            DEVICE_PATH_ADVICE,
+        )
 
     def arena(self, arena: ArenaAnnouncement) -> None:
         """The data server named the arena this connection's pair lists point into (private arenas): open a

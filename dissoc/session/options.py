@@ -1,12 +1,17 @@
-"""The client's options (:class:`ClientOptions`) and what one stream carried (:class:`FetchStats`)."""
+"""The client's options (:class:`ClientOptions`), what one stream carried (:class:`FetchStats`) and the path
+its bytes took (:class:`FetchPath`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dissoc.flight.common import DEFAULT_TIMEOUT
 
-__all__ = ["ClientOptions", "FetchStats"]
+__all__ = ["HOST_COPY", "ClientOptions", "FetchPath", "FetchStats"]
+
+#: How a body reached the device when it was on the host (:attr:`FetchPath.device_landing`); the names
+#: are :mod:`dissoc.device.landing`'s.
+HOST_COPY = "host-copy"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +53,12 @@ class ClientOptions:
     loop the synchronous API runs (the main thread's, closed at exit); True: in any loop (close them with
     :func:`close_idle_connections` before the loop ends); False: every stream connects afresh and closes
     its connections.
+    ``require_device_path``: with ``landing="device"``, a stream whose bodies reach the device through host
+    memory (received on the host, then uploaded: packed bodies over TCP, pairs in ``shm`` or ``ucx``
+    memory) fails with :class:`~dissoc.errors.DevicePathError` before the first such batch is handed out,
+    instead of logging a warning (once per stream) and going on. The device path is UCX with CuPy and a
+    CUDA-capable UCX build (packed bodies received into device memory), or pairs in device memory
+    (``memory=cuda``, CUDA IPC). See :attr:`FetchStats.path`.
     """
 
     timeout: float = 30.0
@@ -65,12 +76,74 @@ class ClientOptions:
     tls_key: str | None = None
     token: str | None = None
     reuse_connections: bool | None = None
+    require_device_path: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class FetchPath:
+    """The path one stream's bytes took, from the server to the batches handed out.
+
+    ``transport``, ``data_transport``: the schemes of the metadata and data connections (``tcp``, ``tls``,
+    ``ucx``, ``inproc``; the same unless the servers are split).
+    ``ucx_transports``: for a ``ucx`` data connection, the UCX transport and device of each lane of its
+    endpoint, as ``"transport/device"`` (``"tcp/lo"``, ``"sysv/memory"``, ``"cma/memory"``,
+    ``"cuda_copy/cuda"``, ``"cuda_ipc/cuda"``, ``"rc_mlx5/mlx5_0:1"``...; ``"tcp"`` alone for the connection
+    manager's lane), each once, as libucp reports them (UCX 1.14 or later); empty otherwise.
+    ``bodies``: ``"packed"`` (the bodies themselves travelled on the data connection) or ``"pairs"``
+    (address/length pairs into memory the client reads).
+    ``memory``: what the pairs pointed into: ``"shm"`` (POSIX shared memory), ``"ucx"`` (a region read with
+    UCX RMA) or ``"cuda"`` (device memory, through CUDA IPC); None for packed bodies.
+    ``arena``: for pairs, ``"shared"`` (one arena for every client) or ``"private"`` (one per connection,
+    ``private_memory``); None for packed bodies.
+    ``device_landing``: with ``landing="device"``, how bodies reached the device, each way once, in the order
+    first taken: ``"received"`` (packed bodies received into device memory by UCX's CUDA transports),
+    ``"cuda-ipc-view"`` (``memory=cuda`` pairs with ``zero_copy``: views over the server's allocation),
+    ``"cuda-ipc-copy"`` (``memory=cuda`` pairs copied device to device), ``"host-copy"`` (bodies that were
+    in host memory, packed or pairs, uploaded: the slow path, see
+    ``ClientOptions.require_device_path``); empty when landing on the host or before any body.
+    """
+
+    transport: str = ""
+    data_transport: str = ""
+    ucx_transports: tuple[str, ...] = ()
+    bodies: str = ""
+    memory: str | None = None
+    arena: str | None = None
+    device_landing: tuple[str, ...] = ()
+
+    @property
+    def host_copy(self) -> bool:
+        """Whether bodies landing on the device went through host memory."""
+        return HOST_COPY in self.device_landing
+
+    def as_dict(self) -> dict[str, object]:
+        """The path as JSON-ready values (tuples as lists): what ``dissoc get`` prints."""
+        return {
+            "transport": self.transport,
+            "data_transport": self.data_transport,
+            "ucx_transports": list(self.ucx_transports),
+            "bodies": self.bodies,
+            "memory": self.memory,
+            "arena": self.arena,
+            "device_landing": list(self.device_landing),
+        }
 
 
 @dataclass(slots=True)
 class FetchStats:
-    """What one stream carried."""
+    """What one fetch carried, filled in when its stream ends (also when it fails or is closed early).
+
+    ``batches``, ``rows``, ``bytes``: batches decoded, their rows, and the bytes of their bodies received.
+    ``paths``: the path each stream's bytes took (:class:`FetchPath`), one per stream read (a Flight
+    location's endpoints, in the order read; none for a stream that never began); :attr:`path` is the first.
+    """
 
     batches: int = 0
     rows: int = 0
     bytes: int = 0
+    paths: list[FetchPath] = field(default_factory=list)
+
+    @property
+    def path(self) -> FetchPath | None:
+        """The path of the (first) stream's bytes; None before it began."""
+        return self.paths[0] if self.paths else None

@@ -3,7 +3,8 @@
 :func:`read_stream` starts a :class:`~dissoc.session.session.Session`, and each time it wakes takes every
 event that is ready, decodes it (:class:`~dissoc.session.decoding.Decoding`) and hands the batches over as one
 :class:`Chunk`, so that a consumer that pays a fixed cost per resumption (the synchronous reader) pays it
-once per burst. It counts the stream in :data:`dissoc.metrics.CLIENT` as it goes.
+once per burst. It counts the stream in :data:`dissoc.metrics.CLIENT` as it goes, and reports what it carried
+and the path its bytes took in the caller's :class:`~dissoc.session.options.FetchStats` when it ends.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from collections.abc import AsyncGenerator, Callable
 
 import pyarrow as pa
 
-from dissoc.errors import DissocError, ProtocolError, RemoteError, ResourceError, TransportError
+from dissoc.errors import (
+    DevicePathError,
+    DissocError,
+    ProtocolError,
+    RemoteError,
+    ResourceError,
+    TransportError,
+)
 from dissoc.logs import new_stream_id, stream_id
 from dissoc.metrics import CLIENT, Tally
 from dissoc.protocol import MessageReady, SchemaReceived, StreamEnded
@@ -85,6 +93,7 @@ def _outcome(exc: DissocError) -> str:
         (ProtocolError, "protocol"),
         (TransportError, "transport"),
         (ResourceError, "resource"),
+        (DevicePathError, "device_path"),
     ):
         if isinstance(exc, kind):
             return name
@@ -178,6 +187,8 @@ async def read_stream(
     session: Session | None = None
     try:
         session = await _started(meta, data, _ticket_bytes(ticket), opts)
+        data_conn = session.data_conn
+        session.decoding.began(meta.scheme, data_conn.lanes() if data_conn is not None else ())
         ended = False
         while not ended:
             chunk, ended = await _burst(session, on_schema)
@@ -197,6 +208,7 @@ async def read_stream(
             if stats is not None:
                 done = session.decoding.stats
                 stats.batches, stats.rows, stats.bytes = done.batches, done.rows, done.bytes
+                stats.paths = [session.decoding.path]
             await session.close()
         if outcome == "ok":
             CLIENT.streams_finished.inc(meta.scheme)

@@ -18,12 +18,14 @@ messages carrying a little-endian u64 tag. :class:`Connection` offers exactly th
 
 A backend (:mod:`dissoc.transport.tcp`, :mod:`~dissoc.transport.tls`, :mod:`~dissoc.transport.inproc`,
 :mod:`dissoc.transport.ucx`) only moves bytes; the inbox, the limits and the receiver are
-:class:`Connection`'s. It implements two methods and may override two:
+:class:`Connection`'s. It implements two methods and may override three:
 
 - ``_send_frame(tagged, tag, views, total)``: send one message (frames of concurrent senders never mix);
 - ``_close_transport()``: release the transport, once;
 - ``_on_flow()`` (optional): reading may go on (something was claimed, a consumer waits, reading resumed);
-- ``idle_frame()`` (optional): whether a frame is partly received, for the server's deadlines.
+- ``idle_frame()`` (optional): whether a frame is partly received, for the server's deadlines;
+- ``lanes()`` (optional): what carries the bytes below the transport (UCX's transports), for the path a
+  client reports.
 
 and it receives through five calls: ``_admit(tagged, tag, length)`` (may a message be read now, or should
 reading pause), ``_accept(tag, length)`` (its tag's limit and the shared receive budget, once admitted),
@@ -296,6 +298,13 @@ class Connection(abc.ABC):
         (TLS; see :attr:`dissoc.transport.tls.TlsConnection.peer_identity`), in RFC 4514 form such as
         ``"CN=alice,O=Example"``. None on transports without certificates, and without one."""
         return None
+
+    def lanes(self) -> tuple[str, ...]:
+        """What carries this connection's bytes below the transport, as ``"transport/device"`` names: for UCX
+        the transport and device of each of its data endpoint's lanes (``"tcp/lo"``, ``"sysv/memory"``,
+        ``"cuda_ipc/cuda"``...); empty where the transport has nothing to tell (TCP, TLS, in-process) or the
+        connection is closed."""
+        return ()
 
     def set_allocator(self, allocator: Allocator | None) -> None:
         """Set the placement hook for tagged payloads (None restores :func:`default_allocator`).

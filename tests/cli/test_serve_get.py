@@ -4,7 +4,9 @@ DissocError: message, no traceback) and 2 (usage)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -14,16 +16,26 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers.e2e import PYTHON, REPO, cli_server, ordered_table, sample_table
+from helpers.e2e import PYTHON, REPO, ServerThread, cli_server, ordered_table, sample_table
 
+from dissoc import cli
+from dissoc.errors import DissocError
+from dissoc.memory.cuda import ENV_VAR
 from dissoc.uri import DissocURI
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def dissoc_cmd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+def dissoc_cmd(
+    *args: str, timeout: float = 30, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [PYTHON, "-m", "dissoc.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+        [PYTHON, "-m", "dissoc.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
     )
 
 
@@ -126,12 +138,54 @@ def test_get_writes_files_pyarrow_reads_back_equal(
             assert summary["batches"] >= 1
             assert summary["bytes"] > 0
             assert {"seconds", "bytes", "rows", "batches"} <= set(summary)
+            assert summary["path"] == {
+                "transport": "tcp",
+                "data_transport": "tcp",
+                "ucx_transports": [],
+                "bodies": "packed",
+                "memory": None,
+                "arena": None,
+                "device_landing": [],
+            }
+            assert "paths" not in summary  # (one stream)
             if suffix == ".arrow":
                 got = pa.ipc.open_file(str(out)).read_all()
             else:
                 got = pa.ipc.open_stream(str(out)).read_all()
             assert got.equals(expected), f"{ticket}{suffix} differs from the served data"
         assert proc.poll() is None, "the server exited while serving"
+
+
+def test_get_landing_on_the_device_over_tcp_says_it_went_through_the_host(files: Files) -> None:
+    # The fake device (host memory posing as device memory) in the client; TCP has no way into the device.
+    env = {**os.environ, ENV_VAR: "fake"}
+    table = files["trips"][1]
+    with ServerThread({"trips": table}) as srv:
+        got = dissoc_cmd("get", srv.uri, "trips", "--landing", "device", "--no-progress", env=env)
+        required = dissoc_cmd(
+            "get", srv.uri, "trips", "--landing", "device", "--require-device-path", "--no-progress", env=env
+        )
+    assert got.returncode == 0, got.stderr
+    summary = json.loads(got.stdout)
+    assert summary["rows"] == table.num_rows and summary["batches"] == 3
+    assert summary["path"]["device_landing"] == ["host-copy"]
+    assert summary["path"]["transport"] == "tcp" and summary["path"]["bodies"] == "packed"
+    # one warning for the stream (of three batches), naming the flag that makes it an error
+    warnings = [line for line in got.stderr.splitlines() if "uploaded to the device" in line]
+    assert len(warnings) == 1, got.stderr
+    assert "dissoc.client: [stream " in warnings[0] and "require_device_path" in warnings[0]
+    # required: exit 1 before a batch is written, the path taken and the way to the device path named
+    assert required.returncode == 1, (required.returncode, required.stderr)
+    assert required.stdout == "" and "Traceback" not in required.stderr
+    assert "dissoc: error: landing='device' with require_device_path" in required.stderr
+    assert "packed bodies over tcp were received into host memory" in required.stderr
+    assert "ucx://" in required.stderr and "--memory cuda" in required.stderr
+
+
+def test_get_require_device_path_needs_landing_on_the_device() -> None:
+    args, _ = cli.parse_args(["get", "tcp://127.0.0.1:1?want_data=1", "t", "--require-device-path"])
+    with pytest.raises(DissocError, match="--require-device-path applies to --landing device"):
+        asyncio.run(cli._get(args))  # before anything is connected to
 
 
 def test_get_unknown_ticket_exits_1_with_message_no_traceback(files: Files) -> None:

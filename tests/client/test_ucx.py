@@ -15,6 +15,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import textwrap
@@ -306,7 +307,8 @@ async def test_connection_paths_give_equal_results(split: bool) -> None:
     results: dict[str, list[pa.RecordBatch]] = {}
     async with ucx_server({"t": table}, split) as server:
         for path in PATHS:
-            agen = stream_batches(server.uri, "t", data_uri=server.data_uri, options=opts(path))
+            stats = FetchStats()
+            agen = stream_batches(server.uri, "t", data_uri=server.data_uri, options=opts(path), stats=stats)
             batches: list[pa.RecordBatch] = []
             async with contextlib.aclosing(agen):
                 async for batch in agen:
@@ -315,10 +317,38 @@ async def test_connection_paths_give_equal_results(split: bool) -> None:
                         assert kinds == [expected_kind[path]] * (2 if split else 1), (path, kinds)
                     batches.append(batch)
             results[path] = batches
+            _check_ucx_path(stats, expected_kind[path])
             assert await eventually(lambda: listener_connections(server) == 0, 20)
     for path in PATHS:
         assert pa.Table.from_batches(results[path]).equals(table), path
     assert [b.num_rows for b in results["listener"]] == [b.num_rows for b in results["address"]]
+
+
+#: Transports UCX has on any host (TCP, shared memory, loopback), one of which a local connection uses.
+_HOST_TRANSPORTS = {"tcp", "sysv", "posix", "cma", "self", "xpmem", "knem"}
+
+
+def _check_ucx_path(stats: FetchStats, kind: str) -> None:
+    """The path of a packed stream over UCX names the transports its data endpoint's lanes use, as UCX does
+    (``name/device``, or ``name`` alone for a connection manager's lane)."""
+    path = stats.path
+    assert path is not None
+    assert (path.transport, path.data_transport, path.bodies, path.memory, path.device_landing) == (
+        "ucx",
+        "ucx",
+        "packed",
+        None,
+        (),
+    )
+    lanes = path.ucx_transports
+    assert lanes, f"no UCX transports reported ({kind} path)"
+    assert all(isinstance(lane, str) for lane in lanes), lanes
+    names = [lane.split("/", 1)[0] for lane in lanes]
+    assert all(re.fullmatch(r"[a-z][a-z0-9_]*", name) for name in names), lanes
+    assert len(set(lanes)) == len(lanes)
+    assert _HOST_TRANSPORTS & set(names), lanes
+    if kind == "listener":  # connected through the listener's socket address: TCP's connection manager
+        assert "tcp" in names, lanes
 
 
 async def test_uri_without_worker_uses_the_listener_and_address_path_needs_it() -> None:

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -35,6 +36,8 @@ from helpers.e2e import PYTHON, REPO, Listings, ServerThread, cli_server, eventu
 
 from dissoc.client import (
     ClientOptions,
+    FetchPath,
+    FetchStats,
     fetch,
     fetch_async,
     fetch_device,
@@ -44,7 +47,7 @@ from dissoc.client import (
 )
 from dissoc.codec import MessageEncoder, iter_messages, parse
 from dissoc.device import DeviceBatch, DeviceColumn, DeviceDecoder
-from dissoc.errors import CodecError, DissocError, ProtocolError, ResourceError
+from dissoc.errors import CodecError, DevicePathError, DissocError, ProtocolError, ResourceError
 from dissoc.memory import cuda as device_mod
 from dissoc.memory.cuda import (
     ENV_VAR,
@@ -57,6 +60,7 @@ from dissoc.memory.cuda import (
 )
 from dissoc.memory.cuda_arena import DeviceArena
 from dissoc.memory.mappings import MAPPINGS
+from dissoc.metrics import CLIENT
 from dissoc.server import Server
 from dissoc.uri import DissocURI
 
@@ -486,6 +490,12 @@ async def test_packed_over_ucx_without_cuda_memory_is_uploaded_once_per_body(
         got = await fetch_device_async(srv.uri, TICKET, options=ClientOptions(timeout=20))
         assert fake.calls() == {"upload": bodies}
         assert DeviceBatch.to_table(got).equals(expected)
+        # a host copy all the same, which the device path refuses, naming why
+        required = ClientOptions(timeout=20, require_device_path=True)
+        with pytest.raises(
+            DevicePathError, match=r"over ucx were received into host memory .*'fake', not CuPy"
+        ):
+            await fetch_device_async(srv.uri, TICKET, options=required)
 
 
 # ------------------------------------------------------------------------- (2) zero-copy: views and ledger
@@ -1121,6 +1131,90 @@ async def test_a_damaged_cuda_data_uri_is_refused_before_anything_is_mapped(
         assert srv.placements is not None and srv.placements.placed == 0  # nothing was even asked for
         good = await fetch_async(srv.uri, TICKET, data_uri=srv.data_uri)
         assert good.equals(expected)
+
+
+# -------------------------------------------------------------------------- (9) the path bodies took
+
+
+def _host_copy_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "dissoc.client"
+        and r.levelno == logging.WARNING
+        and "uploaded to the device" in r.getMessage()
+    ]
+
+
+@pytest.mark.parametrize("body", ["packed", "shm"])
+async def test_device_landing_through_host_memory_is_warned_once_counted_or_refused(
+    fake: CountingFake, expected: pa.Table, caplog: pytest.LogCaptureFixture, body: str
+) -> None:
+    kind, memory = BODIES[body]
+    async with Server({TICKET: expected}, body=kind, memory=memory, arena_bytes=8 << 20) as srv:
+        copies = CLIENT.device_host_copies.value("tcp", kind)
+        stats = FetchStats()
+        options = ClientOptions(landing="device", timeout=20)
+        with caplog.at_level(logging.WARNING, logger="dissoc.client"):
+            got = [
+                b
+                async for b in stream_batches(
+                    srv.uri, TICKET, data_uri=srv.data_uri, options=options, stats=stats
+                )
+            ]
+        assert DeviceBatch.to_table(got).equals(expected)
+        assert len(got) == 4
+        shared = None if memory is None else "shared"
+        assert stats.paths == [FetchPath("tcp", "tcp", (), kind, memory, shared, ("host-copy",))]
+        assert stats.path is not None and stats.path.host_copy
+        # once for the stream, not once per batch; it says what to do instead
+        (warning,) = _host_copy_warnings(caplog)
+        assert "host memory" in warning and "ucx://" in warning and "--memory cuda" in warning
+        assert CLIENT.device_host_copies.value("tcp", kind) == copies + 1
+        del got
+
+        # required: the stream fails before its first batch is handed out, and is counted as such
+        failed = CLIENT.streams_failed.value("tcp", "device_path")
+        caplog.clear()
+        handed: list[Any] = []
+        required = dataclasses.replace(options, require_device_path=True)
+        with (
+            caplog.at_level(logging.WARNING, logger="dissoc.client"),
+            pytest.raises(DevicePathError, match=r"require_device_path: .*host memory.*--memory cuda"),
+        ):
+            async for batch in stream_batches(srv.uri, TICKET, data_uri=srv.data_uri, options=required):
+                handed.append(batch)
+        assert handed == []
+        assert CLIENT.streams_failed.value("tcp", "device_path") == failed + 1
+        assert CLIENT.device_host_copies.value("tcp", kind) == copies + 2
+        assert _host_copy_warnings(caplog) == []  # the error says it all
+        if memory is not None:
+            await _held_until_released(srv)  # the refused stream's ranges went back
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zc"])
+async def test_device_landing_from_cuda_pairs_takes_no_host_path(
+    fake: CountingFake, expected: pa.Table, caplog: pytest.LogCaptureFixture, zero_copy: bool
+) -> None:
+    async with Server({TICKET: expected}, body="pairs", memory="cuda", arena_bytes=8 << 20) as srv:
+        copies = CLIENT.device_host_copies.total()
+        stats = FetchStats()
+        options = ClientOptions(landing="device", zero_copy=zero_copy, require_device_path=True, timeout=20)
+        with caplog.at_level(logging.WARNING, logger="dissoc.client"):
+            got = [
+                b
+                async for b in stream_batches(
+                    srv.uri, TICKET, data_uri=srv.data_uri, options=options, stats=stats
+                )
+            ]
+        assert DeviceBatch.to_table(got).equals(expected)
+        way = "cuda-ipc-view" if zero_copy else "cuda-ipc-copy"
+        assert stats.paths == [FetchPath("tcp", "tcp", (), "pairs", "cuda", "shared", (way,))]
+        assert stats.path is not None and not stats.path.host_copy
+        assert _host_copy_warnings(caplog) == []
+        assert CLIENT.device_host_copies.total() == copies
+        del got
+        await _held_until_released(srv)
 
 
 # ------------------------------------------------------------------------------------------------- GPU

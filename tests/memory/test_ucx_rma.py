@@ -70,6 +70,20 @@ EXPECTED_LAYOUT: dict[str, tuple[type[ctypes.Structure], int, dict[str, int]]] =
             "exported_memh_buffer": 40,
         },
     ),
+    "ucp_transport_entry_t": (libucp.UcpTransportEntry, 16, {"transport_name": 0, "device_name": 8}),
+    "ucp_transports_t": (libucp.UcpTransports, 24, {"entries": 0, "num_entries": 8, "entry_size": 16}),
+    "ucp_ep_attr_t": (
+        libucp.UcpEpAttr,
+        328,
+        {
+            "field_mask": 0,
+            "name": 8,
+            "local_sockaddr": 40,
+            "remote_sockaddr": 168,
+            "transports": 296,
+            "user_data": 320,
+        },
+    ),
     "ucp_request_param_t": (
         libucp.UcpRequestParam,
         72,
@@ -125,6 +139,8 @@ CONSTANTS = {
     "UCP_AM_RECV_ATTR_FIELD_REPLY_EP": "UCP_AM_RECV_ATTR_FIELD_REPLY_EP",
     "UCP_AM_RECV_ATTR_FLAG_DATA": "UCP_AM_RECV_ATTR_FLAG_DATA",
     "UCP_AM_RECV_ATTR_FLAG_RNDV": "UCP_AM_RECV_ATTR_FLAG_RNDV",
+    "UCP_EP_ATTR_FIELD_TRANSPORTS": "UCP_EP_ATTR_FIELD_TRANSPORTS",
+    "UCP_ENTITY_NAME_MAX": "UCP_ENTITY_NAME_MAX",
     "UCP_API_MAJOR": "UCP_API_MAJOR",
     "UCP_API_MINOR": "UCP_API_MINOR",
 }

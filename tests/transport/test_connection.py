@@ -43,6 +43,11 @@ async def test_untagged_round_trip_keeps_order(pair: Pair) -> None:
     assert bytes(await a.recv()) == b"back"
 
 
+async def test_lanes_are_empty_where_the_transport_has_none_to_tell(pair: Pair) -> None:
+    a, b = pair
+    assert a.lanes() == () and b.lanes() == ()
+
+
 async def test_send_accepts_bytes_like_objects(pair: Pair) -> None:
     a, b = pair
     floats = np.arange(10, dtype=np.float64)

@@ -346,3 +346,17 @@ async def test_connect_to_nothing_fails_cleanly() -> None:
 
     with pytest.raises(TransportError):
         await connect_ucx("127.0.0.1", 1, timeout=5)
+
+
+async def test_lanes_name_the_ucx_transports_of_both_ends() -> None:
+    async with ucx_pair() as (client, server):
+        await client.send_tagged(1, b"up")
+        await server.recv_tagged(1)
+        # ucxx's endpoint on the client, dissoc's own (an accepted connection request) on the server; both
+        # went through the listener's socket address: TCP's connection manager has a lane
+        for conn in (client, server):
+            lanes = conn.lanes()
+            assert lanes and all(isinstance(lane, str) and lane for lane in lanes), lanes
+            assert "tcp" in {lane.split("/", 1)[0] for lane in lanes}, lanes
+        await client.close()
+        assert client.lanes() == ()  # a closed endpoint is not asked

@@ -54,6 +54,7 @@ from dissoc.transport.ucx.library import (
     ucx_tag,
     ucxx_lib,
 )
+from dissoc.transport.ucx.libucp import ep_transports
 
 __all__ = ["PATHS", "UcxConnection", "connect_ucx"]
 
@@ -158,6 +159,24 @@ class UcxConnection(Connection):
             self._loop.call_soon(self._on_peer_gone)
         driver.kick()
         logger.debug("%s open", description)
+
+    def lanes(self) -> tuple[str, ...]:
+        """The transport and device of each lane of the data endpoint (``ucp_ep_query``; see
+        :meth:`Connection.lanes`), e.g. ``("tcp/lo", "sysv/memory", "cma/memory")``; empty once the
+        connection is closed or its endpoint failed (a failed endpoint is not asked), or where libucp cannot
+        tell."""
+        ep = self._ep
+        if ep is None or self._closed or self._closing or not endpoint_alive(ep):
+            return ()
+        try:
+            handle = int(ep.handle)
+            if not handle:
+                return ()
+            names = (f"{name}/{device}" if device else name for name, device in ep_transports(handle))
+            return tuple(dict.fromkeys(names))
+        except Exception as exc:
+            logger.debug("%s: cannot tell the endpoint's lanes: %s", self._description, exc)
+            return ()
 
     # ------------------------------------------------------------------------------------------------ sending
 

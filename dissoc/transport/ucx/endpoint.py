@@ -196,6 +196,11 @@ class RawEndpoint:
         self._ep: int | None = int(handle.value or 0)
 
     @property
+    def handle(self) -> int:
+        """The ``ucp_ep_h`` (0 once closed), as ucxx's endpoints have it."""
+        return self._ep or 0
+
+    @property
     def alive(self) -> bool:
         """False once UCX reported the peer's failure or the endpoint was closed."""
         return self._status == UCS_INPROGRESS and not self._closing

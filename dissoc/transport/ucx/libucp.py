@@ -34,14 +34,18 @@ __all__ = [
     "UcpListenerParams",
     "UcpAmHandlerParam",
     "UcpAmRecvParam",
+    "UcpEpAttr",
     "UcpEpParams",
     "UcpErrHandler",
     "UcpMemMapParams",
     "UcpParams",
     "UcpRequestParam",
+    "UcpTransportEntry",
+    "UcpTransports",
     "UcpWorkerParams",
     "UcsSockAddr",
     "check",
+    "ep_transports",
     "lib",
     "libucp_path",
     "ptr_is_err",
@@ -117,6 +121,10 @@ UCP_AM_FLAG_WHOLE_MSG = 1 << 0
 UCP_AM_RECV_ATTR_FIELD_REPLY_EP = 1 << 0
 UCP_AM_RECV_ATTR_FLAG_DATA = 1 << 16
 UCP_AM_RECV_ATTR_FLAG_RNDV = 1 << 17
+
+# ucp_ep_attr_field; ucp_def.h's UCP_ENTITY_NAME_MAX
+UCP_EP_ATTR_FIELD_TRANSPORTS = 1 << 3
+UCP_ENTITY_NAME_MAX = 32
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -293,6 +301,35 @@ class UcpAmHandlerParam(ctypes.Structure):
     )
 
 
+class UcpTransportEntry(ctypes.Structure):
+    """``ucp_transport_entry_t``: one lane's transport and device names (valid until the endpoint closes)."""
+
+    _fields_ = (("transport_name", ctypes.c_char_p), ("device_name", ctypes.c_char_p))
+
+
+class UcpTransports(ctypes.Structure):
+    """``ucp_transports_t``: the caller's array of entries, its length (in: room, out: used), entry size."""
+
+    _fields_ = (
+        ("entries", _P(UcpTransportEntry)),
+        ("num_entries", ctypes.c_uint),
+        ("entry_size", ctypes.c_size_t),
+    )
+
+
+class UcpEpAttr(ctypes.Structure):
+    """``ucp_ep_attr_t``."""
+
+    _fields_ = (
+        ("field_mask", ctypes.c_uint64),
+        ("name", ctypes.c_char * UCP_ENTITY_NAME_MAX),
+        ("local_sockaddr", SOCKADDR_STORAGE),
+        ("remote_sockaddr", SOCKADDR_STORAGE),
+        ("transports", UcpTransports),
+        ("user_data", ctypes.c_void_p),
+    )
+
+
 # name -> (restype, argtypes); libucs first, then libucp
 _UCS_FUNCS: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "ucs_status_string": (ctypes.c_char_p, (_status_t,)),
@@ -332,6 +369,10 @@ _UCP_FUNCS: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "ucp_am_recv_data_nbx": (_vp, (_vp, _vp, _vp, ctypes.c_size_t, _P(UcpRequestParam))),
     "ucp_am_data_release": (None, (_vp, _vp)),
 }
+#: Functions dissoc does without where the library lacks them (set to None then).
+_UCP_OPTIONAL: dict[str, tuple[Any, tuple[Any, ...]]] = {
+    "ucp_ep_query": (_status_t, (_vp, _P(UcpEpAttr))),
+}
 
 
 class _Lib:
@@ -347,6 +388,12 @@ class _Lib:
                 fn.restype = restype
                 fn.argtypes = argtypes
                 setattr(self, name, fn)
+        for name, (restype, argtypes) in _UCP_OPTIONAL.items():
+            fn = getattr(ucp, name, None)
+            if fn is not None:
+                fn.restype = restype
+                fn.argtypes = argtypes
+            setattr(self, name, fn)
 
     def __getattr__(self, name: str) -> Any:  # for the type checker: functions are set in __init__
         raise AttributeError(name)
@@ -449,6 +496,33 @@ def check(status: int, what: str) -> None:
     """Raise TransportError naming ``what`` unless ``status`` is UCS_OK."""
     if status != UCS_OK:
         raise TransportError(f"{what} failed: {status_string(status)} ({status})")
+
+
+#: Lanes an endpoint may have (UCP_MAX_LANES is 8 in libucx 1.21; room for more costs nothing).
+_MAX_LANES = 32
+
+
+def ep_transports(ep: int) -> tuple[tuple[str, str], ...]:
+    """The (transport, device) names of endpoint ``ep``'s lanes (a ``ucp_ep_h``), as ``ucp_ep_query`` with
+    ``UCP_EP_ATTR_FIELD_TRANSPORTS`` gives them (UCX >= 1.14; an older library gives none): e.g.
+    ``("tcp", "lo")``, ``("sysv", "memory")``, ``("cuda_ipc", "cuda")``. Copied out at once (UCX's strings
+    live only as long as the endpoint). TransportError when the query fails."""
+    query = lib().ucp_ep_query
+    if query is None:
+        return ()
+    entries = (UcpTransportEntry * _MAX_LANES)()
+    attr = UcpEpAttr()
+    attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS
+    attr.transports.entries = ctypes.cast(entries, _P(UcpTransportEntry))
+    attr.transports.num_entries = _MAX_LANES
+    attr.transports.entry_size = ctypes.sizeof(UcpTransportEntry)
+    check(query(ep, ctypes.byref(attr)), "ucp_ep_query")
+    used = entries[: min(int(attr.transports.num_entries), _MAX_LANES)]
+    return tuple((_text(e.transport_name), _text(e.device_name)) for e in used)
+
+
+def _text(raw: bytes | None) -> str:
+    return raw.decode("utf-8", "replace") if raw else ""
 
 
 def ptr_is_err(ptr: int | None) -> bool:
