@@ -650,10 +650,13 @@ class CountingSource:
 @pytest.mark.parametrize("path", ["listener", "address"])
 @pytest.mark.parametrize("split", LAYOUTS)
 async def test_slow_consumer_throttles_the_server(split: bool, path: str) -> None:
-    """1 MiB bodies (UCX rendezvous): the server stays within the client's budgets of the consumer."""
+    """1 MiB bodies (UCX rendezvous): the server stays within the client's budgets of the consumer (and the
+    sends it may have under way)."""
+    from dissoc.transport.ucx.connection import SEND_WINDOW_BYTES
+
     source = CountingSource(batches=400, batch_bytes=MiB)
     o = opts(path, max_in_flight_bytes=4 * MiB, max_buffered_bytes=4 * MiB)
-    allowed = (o.max_in_flight_bytes + o.max_buffered_bytes) // MiB + 4
+    allowed = (o.max_in_flight_bytes + o.max_buffered_bytes + SEND_WINDOW_BYTES) // MiB + 4
     consumed = max_lead = 0
     async with ucx_server({"slow": ReaderFactoryDataset("slow", source, schema=source.schema)}, split) as srv:
         agen = stream_batches(srv.uri, "slow", data_uri=srv.data_uri, options=o)

@@ -305,10 +305,14 @@ async def test_message_limits() -> None:
             await asyncio.wait_for(client.recv_tagged(2), 10)
 
 
-async def test_buffering_budget_leaves_messages_in_ucx() -> None:
+async def test_buffering_budget_leaves_messages_in_ucx(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dissoc.transport.ucx import connection as ucx_connection
+
+    # A sender goes on while its sends are under way, up to its send window (1 MiB here).
+    monkeypatch.setattr(ucx_connection, "SEND_WINDOW_BYTES", MiB)
     async with ucx_pair(client_options={"max_buffered_bytes": 1 * MiB}) as (client, server):
         # Large sends complete only once the receiver took them (rendezvous): what exceeds the budget waits
-        # in UCX, and so do its senders.
+        # in UCX, and so do its senders, once their sends under way fill the window.
         sends = [asyncio.create_task(server.send_tagged(i, bytes(MiB))) for i in range(8)]
         await asyncio.sleep(0.3)
         assert client.buffered_bytes <= 2 * MiB

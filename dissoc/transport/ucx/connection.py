@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import collections
 import contextlib
 import logging
 import socket
@@ -30,6 +31,7 @@ from dissoc.transport.base import (
     SendData,
     as_views,
     check_u64,
+    fresh_error,
 )
 from dissoc.transport.ucx.am import AmReceiver
 from dissoc.transport.ucx.driver import MAX_ROUNDS, Driver, Pending
@@ -66,6 +68,11 @@ PATHS = ("auto", "listener", "address")
 _CLOSE_WAIT = 2.0
 #: Seconds a closed connection keeps progressing its worker for the closing exchange with the peer.
 _RELEASE_WAIT = 1.0
+#: Bytes and messages a connection's sends may have under way before ``send_many`` waits for the oldest
+#: (their buffers are held until UCX completes them; a larger message waits for itself): enough to keep
+#: small messages moving while the peer takes earlier ones, little next to the peer's own budgets.
+SEND_WINDOW_BYTES = 4 << 20
+SEND_WINDOW = 512
 #: Largest buffer a message that arrives after the close is received into (larger ones are truncated).
 _DISCARD_BYTES = 1 << 20
 
@@ -85,6 +92,19 @@ class _TaggedRecv:
         self.buffer = buffer
         self.view = view
         self.waiter = waiter
+
+
+class _Send:
+    """A send UCX has not completed yet: its request, what it keeps alive, its size and what it sends."""
+
+    __slots__ = ("keep", "nbytes", "request", "tag", "tagged")
+
+    def __init__(self, request: Any, keep: object, nbytes: int, tagged: bool, tag: int) -> None:
+        self.request = request
+        self.keep = keep
+        self.nbytes = nbytes
+        self.tagged = tagged
+        self.tag = tag
 
 
 class UcxConnection(Connection):
@@ -127,12 +147,15 @@ class UcxConnection(Connection):
         self._raw_ep: RawEndpoint | None = endpoint if isinstance(endpoint, RawEndpoint) else None
         self._bootstrap: Any = bootstrap
         self._bootstrap_driver = bootstrap_driver
-        self._tagged: list[_TaggedRecv] = []
+        self._tagged: collections.deque[_TaggedRecv] = collections.deque()
         # The tag and masks most probes use, made once.
         self._tag_any = ucx_tag(0)
         self._mask_any = ucx_mask(0)
         self._mask_all = ucx_mask(TAG_MASK_ALL)
         self._inflight = 0
+        #: Sends posted and not known to be completed, oldest first (see send_many).
+        self._sending: collections.deque[_Send] = collections.deque()
+        self._sending_bytes = 0
         self._claimed: dict[int, int] = {}
         self._peer_gone = False
         #: The peer's BYE arrived (it sends nothing after it); ours was sent.
@@ -254,7 +277,8 @@ class UcxConnection(Connection):
             for tagged, tag, host, views, total in prepared
         ]
         driver = self._driver
-        for (request, keep), (tagged, tag, *_) in zip(posted, prepared, strict=True):
+        sending = self._sending
+        for (request, keep), (tagged, tag, host, _, total) in zip(posted, prepared, strict=True):
             if request.completed:
                 try:
                     request.check_error()
@@ -263,12 +287,59 @@ class UcxConnection(Connection):
                         f"{driver.description}: {_sending(tagged, tag)} failed: {exc}"
                     ) from exc
                 continue
-            await driver.wait(request, keep, _sending(tagged, tag))
+            # Not waited for here: the caller goes on to its next messages while these move. The buffer is
+            # kept until UCX completes the send (see _settle_sends), and a failure fails the connection.
+            sending.append(_Send(request, keep, total if host is None else len(host), tagged, tag))
+            self._sending_bytes += sending[-1].nbytes
+        driver.kick()
+        await self._within_send_window()
+
+    def _settle_sends(self) -> bool:
+        """Let go of the sends UCX completed (oldest first: they complete in order, by and large); a failed
+        one fails the connection. Whether any completed."""
+        sending = self._sending
+        settled = False
+        while sending and sending[0].request.completed:
+            done = sending.popleft()
+            self._sending_bytes -= done.nbytes
+            settled = True
+            try:
+                done.request.check_error()
+            except Exception as exc:
+                self._teardown(
+                    TransportError(f"{self._description}: {_sending(done.tagged, done.tag)} failed: {exc}")
+                )
+                return True
+        return settled
+
+    async def _within_send_window(self) -> None:
+        """Wait until the sends under way are within :data:`SEND_WINDOW_BYTES` and :data:`SEND_WINDOW`."""
+        sending = self._sending
+        self._settle_sends()
+        while sending and (self._sending_bytes > SEND_WINDOW_BYTES or len(sending) > SEND_WINDOW):
+            oldest = sending[0]
+            await self._driver.wait(oldest.request, None, _sending(oldest.tagged, oldest.tag))
+            self._settle_sends()
+        if self._closed and self._error is not None:
+            raise fresh_error(self._error)  # (a send of this call failed meanwhile)
+
+    def _sends_under_way(self) -> list[asyncio.Future[None]]:
+        """Hand the sends not completed yet to the driver, with a future each (for a close that lets them
+        finish first)."""
+        futures: list[asyncio.Future[None]] = []
+        for item in self._sending:
+            future: asyncio.Future[None] = self._loop.create_future()
+            future.add_done_callback(_retrieve)
+            self._driver.pending.append(Pending(item.request, item.keep, future))
+            futures.append(future)
+        self._sending.clear()
+        self._sending_bytes = 0
+        return futures
 
     # ---------------------------------------------------------------------------------------------- receiving
 
     def _busy(self) -> bool:
-        return bool(self._tagged or self._am.busy or self._blocked)
+        return bool(self._tagged or self._am.busy or self._blocked or self._sending)
 
     def _on_flow(self) -> None:
         self._driver.kick()
@@ -276,6 +347,9 @@ class UcxConnection(Connection):
     def _on_progress(self) -> bool:
         if self._closed:
             return False
+        # (sends that completed are no reason to progress again at once: nothing new was started)
+        if self._sending and self._settle_sends() and self._closed:
+            return True
         activity = self._finish_tagged()
         activity = self._pump_untagged() or activity
         activity = self._pump_tagged() or activity
@@ -283,20 +357,13 @@ class UcxConnection(Connection):
 
     def _finish_tagged(self) -> bool:
         tagged = self._tagged
-        if not tagged:
+        if not tagged or not tagged[0].request.completed:
             return False
-        if len(tagged) == 1:
-            if not tagged[0].request.completed:
-                return False
-            done, self._tagged = tagged, []
-        else:
-            done = []
-            still: list[_TaggedRecv] = []
-            for item in tagged:
-                (done if item.request.completed else still).append(item)
-            if not done:
-                return False
-            self._tagged = still
+        # Oldest first, up to the first one still under way: a peer's messages complete in the order they
+        # were received, by and large, and looking no further keeps this pass short when many are posted.
+        done = [tagged.popleft()]
+        while tagged and tagged[0].request.completed:
+            done.append(tagged.popleft())
         received: list[Received] = []  # (for a receiver: handed over in one call)
         for item in done:
             self._inflight -= item.length
@@ -549,6 +616,10 @@ class UcxConnection(Connection):
         for item in self._tagged:
             driver.pending.append(Pending(item.request, (item.buffer, item.view), None))
         self._tagged.clear()
+        for send in self._sending:  # (the same for sends: UCX reads their buffers until they complete)
+            driver.pending.append(Pending(send.request, send.keep, None))
+        self._sending.clear()
+        self._sending_bytes = 0
         self._am.close()
         self._claimed.clear()
         self._release_task = self._loop.create_task(self._release())
@@ -657,8 +728,10 @@ class UcxConnection(Connection):
         if not self._closing and not self._closed:
             self._closing = True
             # Let outstanding sends complete first, so that what was sent before close() reaches the peer.
+            under_way = self._sends_under_way()
             bye = self._send_bye()
             pending = [p.future for p in self._driver.pending if p.future is not None and not p.future.done()]
+            pending += under_way
             if bye is not None:
                 pending.append(bye)
             if pending and not self._peer_gone:
