@@ -25,7 +25,9 @@ want_data by ``ep.tag_probe``/``ep.recv(..., force_tag=True)``, the schema and e
 gone once dissoc's client let go of it.
 
 The contract itself is checked on the wire with ucxx's low-level API: a silent peer gets the listener's 16
-bytes (ucxx's format and checksum); a peer that sends want_data at once gets nothing on the stream.
+bytes (ucxx's format and checksum); a peer that sends want_data at once gets nothing on the stream. In this
+process, dissoc's client and server on the listener path: the exchange happens only when the client stays
+silent, and ends with the connection.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import base64
 import contextlib
 import hashlib
 import json
+import logging
 import mmap
 import os
 import pickle
@@ -51,6 +54,7 @@ from urllib.parse import parse_qs, urlsplit
 import pyarrow as pa
 import pytest
 from helpers.e2e import PYTHON, REPO, sample_table
+from helpers.transport import connected_pair
 from helpers.ucx_wire import (
     as_bytes,
     child_server,
@@ -59,6 +63,8 @@ from helpers.ucx_wire import (
     ucx_array,
     ucxx_lib,
 )
+
+from dissoc.transport.ucx import peer_info
 
 pytest.importorskip("ucxx")
 
@@ -408,6 +414,48 @@ def test_a_reference_peer_gets_nothing_on_the_stream(combined_uri: str) -> None:
         )
     finally:
         peer.close()
+
+
+def test_peer_information_is_ucxx_own() -> None:
+    """dissoc's 16 bytes are what ucxx's asyncio endpoints send (``struct.pack("QQ", tag, hash64bits(tag))``)
+    and dissoc reads theirs; anything else (a wrong checksum, another length) is not taken for them."""
+    from ucxx._lib_async.utils import hash64bits
+
+    for tag in (0, 1, 0xFFFFFFFFFFFFFFFF, 0x1234_5678_9ABC_DEF0):
+        assert peer_info.pack_peer_info(tag) == struct.pack("QQ", tag, hash64bits(tag))
+        assert peer_info.parse_peer_info(struct.pack("QQ", tag, hash64bits(tag))) == tag
+        assert peer_info.parse_peer_info(struct.pack("QQ", tag, hash64bits(tag) ^ 1)) is None
+    mine = peer_info.pack_peer_info()
+    assert len(mine) == 16 and peer_info.parse_peer_info(mine) is not None
+    assert peer_info.parse_peer_info(mine[:15]) is None
+
+
+@pytest.mark.parametrize("idle", [False, True])
+async def test_the_exchange_ends_with_the_connection(idle: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """dissoc's client and server on the listener path, in this process. A client that sends at once: no
+    peer information either way. One that stays idle past the listener's delay: the server's 16 bytes, then
+    the client's answer, each taken on the other side. Either way, once both sides closed, no exchange is
+    left registered and no request is outstanding. The server's receive nobody answered was cancelled by its
+    endpoint's (forced) close; the client's completes when ucxx's close of its endpoint does, and where that
+    takes longer than the connection waits, the receive is given up with the worker (its 16-byte buffer
+    kept until the worker goes), as any request of dissoc's own would be."""
+    caplog.set_level(logging.DEBUG, logger="dissoc.transport.ucx.peer_info")
+    async with connected_pair("ucx", timeout=10) as (client, server):
+        drivers = [client._driver, server._driver]  # type: ignore[attr-defined]
+        if idle:
+            await asyncio.sleep(peer_info.LISTENER_DELAY + 0.3)
+        await client.send_tagged(7, b"want_data")
+        assert bytes((await asyncio.wait_for(server.recv_tagged(7), 10)).view()) == b"want_data"
+        await server.send(b"metadata")
+        assert bytes(await asyncio.wait_for(client.recv(), 10)) == b"metadata"
+    taken = [r.getMessage() for r in caplog.records if "sent ucxx's peer information" in r.getMessage()]
+    assert len(taken) == (2 if idle else 0), taken
+    assert not peer_info._EXCHANGES, "an exchange outlived its connection"
+    for driver in drivers:
+        assert driver.closed and not driver.pending
+    client_driver, server_driver = drivers
+    assert not server_driver.orphans, "the server gave a request up with the worker instead of completing it"
+    assert all(len(keep) == 16 for keep, _ in client_driver.orphans), client_driver.orphans
 
 
 # ------------------------------------------------------------------------------------- ucxx's asyncio server
