@@ -47,6 +47,7 @@ from dissoc.transport.ucx.libucp import (
     UCS_OK,
     UcpRequestParam,
     lib,
+    status_string,
 )
 
 __all__ = [
@@ -174,7 +175,8 @@ class PeerInfoExchange:
             self.received(UCS_OK)
         elif self._recv.status != UCS_INPROGRESS:  # refused at once
             _EXCHANGES.pop(self._id, None)
-            logger.debug("%s: cannot receive ucxx's peer information: %s", description, self._recv.status)
+            refused = status_string(self._recv.status)
+            logger.debug("%s: cannot receive ucxx's peer information: %s", description, refused)
         if listener:
             self._timer = loop.call_later(LISTENER_DELAY, self._send_if_quiet)
 
