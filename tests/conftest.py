@@ -129,6 +129,7 @@ HEAVY = (
     "flight/test_security.py",
     "memory/test_private.py",
     "transport/test_tls.py",
+    "transport/test_ucx_asyncio.py",
     "transport/test_ucx_conformance.py",
     "transport/test_ucx_reference.py",
     # The codec's long property sweeps (hypothesis over generated and damaged batches).

@@ -9,10 +9,17 @@ by :mod:`~dissoc.transport.ucx.am` through libucp, which ignores any header).
 whose connections shared one worker could not tell its clients' want_data/free_data apart. Connections are
 accepted on a worker of their own, on two paths:
 
-* the *listener path* (``host:port``, any host, any peer that follows the reference mapping): the listener is
-  libucp's (:mod:`~dissoc.transport.ucx.libucp`), and each connection request is accepted on a fresh worker
-  (:class:`~dissoc.transport.ucx.endpoint.RawEndpoint`); the client's one endpoint carries everything from its
-  first message on (want_data), with UCX peer-failure handling on (such a connection uses TCP anyway);
+* the *listener path* (``host:port``, any host, any peer that follows the reference mapping, and peers
+  written with ucxx's asyncio API): the listener is libucp's (:mod:`~dissoc.transport.ucx.libucp`), and each
+  connection request is accepted on a fresh worker (:class:`~dissoc.transport.ucx.endpoint.RawEndpoint`);
+  the client's one endpoint carries everything from its first message on (want_data), with UCX peer-failure
+  handling on (such a connection uses TCP anyway). ucxx's asyncio endpoints (``ucxx.create_endpoint``,
+  ``ucxx.create_listener``) first swap 16 bytes of peer information on the UCX stream API, the listener's
+  side first, and wait for them: dissoc's listener sends its 16 bytes to a peer still silent 0.2 s after
+  the accept (or as soon as the peer's own came), dissoc's client answers a listener's, and each side takes
+  and drops the peer's; nothing is sent on the stream to a peer that sent want_data at once, nothing waits
+  for the exchange, and the 16-byte receive is cancelled when the connection closes
+  (:mod:`~dissoc.transport.ucx.peer_info`);
 * the *same-host path* (the URI's ``worker``, the listener worker's address): the client sends
   ``MAGIC + its worker address`` tagged ``HELLO_TAG`` to the listener worker; the server creates a fresh
   worker, an endpoint from it to the client's worker, and a monitor endpoint (peer-failure handling on) from
@@ -59,6 +66,7 @@ instead (``UCX_*`` variables the user set still win).
 :mod:`~dissoc.transport.ucx.libucp` (libucp's C API through ctypes),
 :mod:`~dissoc.transport.ucx.am` (receiving active messages),
 :mod:`~dissoc.transport.ucx.endpoint` (endpoints of accepted connections),
+:mod:`~dissoc.transport.ucx.peer_info` (ucxx's peer-information exchange),
 :mod:`~dissoc.transport.ucx.driver` (progress), :mod:`~dissoc.transport.ucx.handshake` (its constants and
 messages), :mod:`~dissoc.transport.ucx.connection` (:class:`UcxConnection`, :func:`connect_ucx`) and
 :mod:`~dissoc.transport.ucx.listener` (:class:`UcxListener`, :func:`serve_ucx`).

@@ -57,6 +57,7 @@ from dissoc.transport.ucx.library import (
     ucxx_lib,
 )
 from dissoc.transport.ucx.libucp import ep_transports
+from dissoc.transport.ucx.peer_info import PeerInfoExchange
 
 __all__ = ["PATHS", "UcxConnection", "connect_ucx"]
 
@@ -165,6 +166,10 @@ class UcxConnection(Connection):
         self._release_task: asyncio.Task[None] | None = None
         #: Closing needs the BYE exchange (a data endpoint without peer-failure handling): see _release.
         self._exchange = closing_exchange
+        #: ucxx's peer-information exchange (the listener path): see exchange_peer_info.
+        self._peer_info: PeerInfoExchange | None = None
+        #: A tagged or active message came from the peer (for the exchange: it is not waiting for one).
+        self._heard = False
         try:
             # Untagged messages are received by dissoc, not by ucxx (see dissoc.transport.ucx.am).
             self._am = AmReceiver(int(self._worker.handle), max_message_bytes, description)
@@ -200,6 +205,30 @@ class UcxConnection(Connection):
         except Exception as exc:
             logger.debug("%s: cannot tell the endpoint's lanes: %s", self._description, exc)
             return ()
+
+    def exchange_peer_info(self, listener: bool) -> None:
+        """Start ucxx's peer-information exchange on the endpoint (the listener path), as the listener's side
+        or the connecting one: see :mod:`~dissoc.transport.ucx.peer_info`. Nothing waits for it; a failure
+        to start it is only logged."""
+        if self._peer_info is not None or self._closed or self._closing:
+            return
+        handle = int(self._ep.handle)
+        if not handle:
+            return
+        try:
+            self._peer_info = PeerInfoExchange(
+                handle, self._loop, self._description, listener=listener, quiet=self._peer_quiet
+            )
+        except Exception as exc:
+            logger.debug("%s: ucxx's peer-information exchange did not start: %s", self._description, exc)
+
+    def _peer_quiet(self) -> bool:
+        """Whether nothing has come from the peer (no tagged or active message; the worker is progressed
+        first)."""
+        if self._heard or self._closed or self._closing:
+            return False
+        self._driver.run()
+        return not self._heard and self._am.ready() is None and not self._closed
 
     # ------------------------------------------------------------------------------------------------ sending
 
@@ -418,7 +447,7 @@ class UcxConnection(Connection):
             ):
                 break
             message = am.pop()
-            activity = True
+            activity = self._heard = True
             try:
                 self._accept(None, len(message))
             except DissocError as exc:
@@ -480,6 +509,7 @@ class UcxConnection(Connection):
             probe = worker.tag_probe(ucx_tag(tag), ucx_mask(mask), certain)
         if not probe.matched:
             return False
+        self._heard = True
         found = int(probe.sender_tag.value)
         length = int(probe.length)
         if found == BYE_TAG:
@@ -620,6 +650,11 @@ class UcxConnection(Connection):
             driver.pending.append(Pending(send.request, send.keep, None))
         self._sending.clear()
         self._sending_bytes = 0
+        if self._peer_info is not None:
+            # (a receive the peer never answered completes, cancelled, once the endpoint is closed)
+            for request, keep in self._peer_info.settle():
+                driver.pending.append(Pending(request, keep, None))
+            self._peer_info = None
         self._am.close()
         self._claimed.clear()
         self._release_task = self._loop.create_task(self._release())
@@ -877,7 +912,8 @@ async def connect_ucx(
                     raise TransportError(f"cannot connect to {where}: {exc}") from exc
             else:
                 # The listener path, as the reference mapping has it: the server accepts the connection on a
-                # worker of its own, and everything travels on this one endpoint (no handshake).
+                # worker of its own, and everything travels on this one endpoint (no handshake of dissoc's;
+                # ucxx's peer information goes alongside, see below).
                 try:
                     bootstrap = endpoint = lib.UCXEndpoint.create(client_worker, address, port, True)
                     # Connected (or refused) once a flush completes: report a failure here, not at the first
@@ -886,7 +922,7 @@ async def connect_ucx(
                 except Exception as exc:
                     raise TransportError(f"cannot connect to {where}: {exc}") from exc
                 await driver.wait(request, None, f"connecting to {where}")
-            return UcxConnection(
+            connection = UcxConnection(
                 driver,
                 endpoint,
                 bootstrap,
@@ -898,6 +934,11 @@ async def connect_ucx(
                 # Only a data endpoint without peer-failure handling needs the closing exchange.
                 closing_exchange=use_address and not error_handling,
             )
+            if not use_address:
+                # ucxx's asyncio listener sends its peer information first and calls its handler once ours
+                # came back (want_data goes out without waiting for any of it)
+                connection.exchange_peer_info(listener=False)
+            return connection
     except TimeoutError as exc:
         driver.close()
         if bootstrap is not None:

@@ -46,7 +46,7 @@ from dissoc.transport.ucx.libucp import (
     status_string,
 )
 
-__all__ = ["UCXX_AM_HEADER", "RawEndpoint", "RawRequest", "flush"]
+__all__ = ["UCXX_AM_HEADER", "RawEndpoint", "RawRequest", "flush", "stream_send"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,11 @@ class RawRequest:
                 self._status = status
                 self._keep = None
         return self._status != UCS_INPROGRESS
+
+    @property
+    def status(self) -> int:
+        """UCX's status of the request as last seen (``UCS_INPROGRESS`` until :attr:`completed` is True)."""
+        return self._status
 
     def orphan(self) -> object:
         """Forget the request for good (its worker is about to go, and UCX with it); returns what it kept
@@ -281,3 +286,9 @@ def flush(ep: int, what: str) -> RawRequest:
     """Flush endpoint ``ep`` (a ``ucp_ep_h``, e.g. ucxx's ``UCXEndpoint.handle``): the request completes once
     what was sent has arrived and, on a new client endpoint, once the connection is set up (or failed)."""
     return RawRequest(lib().ucp_ep_flush_nbx(ep, ctypes.byref(_PLAIN)), None, what)
+
+
+def stream_send(ep: int, data: bytes, what: str) -> RawRequest:
+    """Send ``data`` on endpoint ``ep``'s stream (UCX's stream API); the request holds ``data`` until UCX is
+    done with it."""
+    return RawRequest(lib().ucp_stream_send_nbx(ep, data, len(data), ctypes.byref(_PLAIN)), data, what)

@@ -75,11 +75,15 @@ def ucx_context(kind: str = "default") -> Any:
     ``LISTENER_CONFIG``, overridden by ``UCX_RNDV_SCHEME``/``UCX_RNDV_THRESH``. Set for the whole process the
     rendezvous scheme slowed the same-host path's shared memory, hence a context of their own. (Eager or not
     is the sender's choice: a peer's messages reach a server the way the peer's own UCX settings send them.)
+    The listener path's context also has the stream API, for ucxx's peer information.
     """
     context = _contexts.get(kind)
     if context is None:
         lib = ucxx_lib()
-        features = (lib.Feature.TAG, lib.Feature.AM, lib.Feature.WAKEUP, lib.Feature.RMA)
+        features: tuple[Any, ...] = (lib.Feature.TAG, lib.Feature.AM, lib.Feature.WAKEUP, lib.Feature.RMA)
+        if kind == "listener":
+            # ucxx's peer information travels on the stream API (dissoc.transport.ucx.peer_info)
+            features += (lib.Feature.STREAM,)
         # Without cma: UCX aborts a process whose cma read fails because the peer died mid-transfer (the data
         # endpoints have no peer-failure handling); shared memory still carries the data. UCX_TLS overrides.
         config = {} if "UCX_TLS" in os.environ else {"TLS": "^cma"}

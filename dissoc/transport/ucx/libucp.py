@@ -1,5 +1,6 @@
 """libucp's C API through ctypes: the constants, parameter structs, functions and status helpers that
-:mod:`dissoc.memory.ucx_rma` (RMA) and :mod:`dissoc.transport.ucx.am` (active-message receiving) use.
+:mod:`dissoc.memory.ucx_rma` (RMA), :mod:`dissoc.transport.ucx.am` (active-message receiving) and
+:mod:`dissoc.transport.ucx.peer_info` (the stream API) use.
 
 * libucp is loaded lazily, on the first call of :func:`lib`: importing this module loads nothing. It is loaded
   through ``libucx.load_library()`` (the same files ucxx maps), so the process has one UCX.
@@ -29,6 +30,7 @@ __all__ = [
     "AM_RECV_CALLBACK",
     "CONN_CALLBACK",
     "ERR_CALLBACK",
+    "STREAM_RECV_CALLBACK",
     "UcpConnRequestAttr",
     "UcpListenerAttr",
     "UcpListenerParams",
@@ -99,6 +101,7 @@ UCP_MEM_MAP_PROT_REMOTE_WRITE = 1 << 9
 # ucp_op_attr_t (ucp_request_param_t.op_attr_mask)
 UCP_OP_ATTR_FIELD_REQUEST = 1 << 0
 UCP_OP_ATTR_FIELD_CALLBACK = 1 << 1
+UCP_OP_ATTR_FIELD_USER_DATA = 1 << 2
 UCP_OP_ATTR_FIELD_FLAGS = 1 << 4
 
 # ucp_ep_params_field (more), ucp_err_handling_mode_t, ucp_listener_params_field, ucp_listener_attr_field,
@@ -125,6 +128,9 @@ UCP_AM_RECV_ATTR_FLAG_RNDV = 1 << 17
 # ucp_ep_attr_field; ucp_def.h's UCP_ENTITY_NAME_MAX
 UCP_EP_ATTR_FIELD_TRANSPORTS = 1 << 3
 UCP_ENTITY_NAME_MAX = 32
+
+# ucp_stream_recv_flags_t
+UCP_STREAM_RECV_FLAG_WAITALL = 1 << 0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -283,6 +289,9 @@ class UcpConnRequestAttr(ctypes.Structure):
     )
 
 
+#: ``ucp_stream_recv_nbx_callback_t``: (request, status, length, user_data).
+STREAM_RECV_CALLBACK = ctypes.CFUNCTYPE(None, _vp, _status_t, ctypes.c_size_t, _vp)
+
 #: ``ucp_am_recv_callback_t``: (arg, header, header_length, data, length, param) -> ucs_status_t.
 AM_RECV_CALLBACK = ctypes.CFUNCTYPE(
     _status_t, _vp, _vp, ctypes.c_size_t, _vp, ctypes.c_size_t, _P(UcpAmRecvParam)
@@ -368,6 +377,11 @@ _UCP_FUNCS: dict[str, tuple[Any, tuple[Any, ...]]] = {
     ),
     "ucp_am_recv_data_nbx": (_vp, (_vp, _vp, _vp, ctypes.c_size_t, _P(UcpRequestParam))),
     "ucp_am_data_release": (None, (_vp, _vp)),
+    "ucp_stream_send_nbx": (_vp, (_vp, _vp, ctypes.c_size_t, _P(UcpRequestParam))),
+    "ucp_stream_recv_nbx": (
+        _vp,
+        (_vp, _vp, ctypes.c_size_t, _P(ctypes.c_size_t), _P(UcpRequestParam)),
+    ),
 }
 #: Functions dissoc does without where the library lacks them (set to None then).
 _UCP_OPTIONAL: dict[str, tuple[Any, tuple[Any, ...]]] = {

@@ -319,7 +319,8 @@ class UcxListener(Listener):
 
     def _accept_requests(self) -> None:
         """The listener path: each connection on a worker of its own, from its first message on (no
-        handshake: a peer that follows the reference mapping sends want_data straight away)."""
+        handshake: a peer that follows the reference mapping sends want_data straight away; ucxx's asyncio
+        clients get ucxx's peer information first, see :mod:`~dissoc.transport.ucx.peer_info`)."""
         requests, self._requests = self._requests, []
         for conn_request in requests:
             if self._closing or self._listener is None:
@@ -373,6 +374,8 @@ class UcxListener(Listener):
                     driver.close()
                     self._reject(conn_request)
                 continue
+            # ucxx's asyncio clients wait for the listener's peer information before they send anything
+            connection.exchange_peer_info(listener=True)
             logger.debug("accepted %s", description)
             self._start_handler(connection, peer)
 
