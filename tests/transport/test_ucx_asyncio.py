@@ -416,6 +416,24 @@ def test_a_reference_peer_gets_nothing_on_the_stream(combined_uri: str) -> None:
         peer.close()
 
 
+def test_more_than_the_peer_information_on_the_stream_ends_the_connection(combined_uri: str) -> None:
+    """After the 16 bytes, nothing more is expected on the stream: UCX would keep whatever a peer sends
+    there, outside every budget, so the server drops a connection that sends more."""
+    from dissoc.transport.ucx.peer_info import pack_peer_info
+
+    peer = LowLevelPeer(combined_uri)
+    try:
+        sent = [pack_peer_info(), b"x" * 4096]
+        for data in sent:
+            array = ucx_array(data)
+            peer._keep.append((array, data))
+            peer.ep.stream_send(array)
+        peer.progress(DEADLINE, lambda: not peer.ep.alive)
+        assert not peer.ep.alive, "the server kept a connection that sends beyond the peer information"
+    finally:
+        peer.close()
+
+
 def test_peer_information_is_ucxx_own() -> None:
     """dissoc's 16 bytes are what ucxx's asyncio endpoints send (``struct.pack("QQ", tag, hash64bits(tag))``)
     and dissoc reads theirs; anything else (a wrong checksum, another length) is not taken for them."""
@@ -438,7 +456,8 @@ async def test_the_exchange_ends_with_the_connection(idle: bool, caplog: pytest.
     left registered and no request is outstanding. The server's receive nobody answered was cancelled by its
     endpoint's (forced) close; the client's completes when ucxx's close of its endpoint does, and where that
     takes longer than the connection waits, the receive is given up with the worker (its 16-byte buffer
-    kept until the worker goes), as any request of dissoc's own would be."""
+    kept until the worker goes), as any request of dissoc's own would be; so is the receive that watches
+    the stream for anything beyond the 16 bytes."""
     caplog.set_level(logging.DEBUG, logger="dissoc.transport.ucx.peer_info")
     async with connected_pair("ucx", timeout=10) as (client, server):
         drivers = [client._driver, server._driver]  # type: ignore[attr-defined]
@@ -455,7 +474,9 @@ async def test_the_exchange_ends_with_the_connection(idle: bool, caplog: pytest.
         assert driver.closed and not driver.pending
     client_driver, server_driver = drivers
     assert not server_driver.orphans, "the server gave a request up with the worker instead of completing it"
-    assert all(len(keep) == 16 for keep, _ in client_driver.orphans), client_driver.orphans
+    # (the 16-byte receive, and after an exchange the one that watches the stream for more)
+    sizes = (16, peer_info._GUARD_BYTES)
+    assert all(len(keep) in sizes for keep, _ in client_driver.orphans), client_driver.orphans
 
 
 # ------------------------------------------------------------------------------------- ucxx's asyncio server

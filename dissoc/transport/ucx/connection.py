@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from dissoc.buffers import BytesLike, device_nbytes
-from dissoc.errors import DissocError, ResourceError, TransportError
+from dissoc.errors import DissocError, ProtocolError, ResourceError, TransportError
 from dissoc.logs import peer_log
 from dissoc.transport._inbox import Waiter
 from dissoc.transport.base import (
@@ -217,7 +217,12 @@ class UcxConnection(Connection):
             return
         try:
             self._peer_info = PeerInfoExchange(
-                handle, self._loop, self._description, listener=listener, quiet=self._peer_quiet
+                handle,
+                self._loop,
+                self._description,
+                listener=listener,
+                quiet=self._peer_quiet,
+                excess=lambda reason: self._teardown(ProtocolError(f"{self._description}: {reason}")),
             )
         except Exception as exc:
             logger.debug("%s: ucxx's peer-information exchange did not start: %s", self._description, exc)

@@ -66,6 +66,8 @@ PEER_INFO = struct.Struct("QQ")
 #: Seconds after a connection was accepted, the peer silent, before the listener's side sends its 16 bytes
 #: (a peer that follows the reference mapping has sent want_data by then; ucxx's client waits up to 5 s).
 LISTENER_DELAY = 0.2
+#: Bytes of the receive that stays posted on the stream after the exchange (anything arriving fails it).
+_GUARD_BYTES = 64
 
 
 def checksum(msg_tag: int) -> int:
@@ -123,6 +125,8 @@ class PeerInfoExchange:
         "_buffer",
         "_description",
         "_ep",
+        "_excess",
+        "_guard",
         "_id",
         "_loop",
         "_quiet",
@@ -131,6 +135,7 @@ class PeerInfoExchange:
         "_sent",
         "_settled",
         "_timer",
+        "_watching",
     )
 
     def __init__(
@@ -141,55 +146,79 @@ class PeerInfoExchange:
         *,
         listener: bool,
         quiet: Callable[[], bool],
+        excess: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self._ep = ep
+        self._excess = excess
+        self._guard: RawRequest | None = None
+        self._watching = False
         self._loop = loop
         self._description = description
         self._quiet = quiet
-        self._id = next(_IDS)
         self._buffer = ctypes.create_string_buffer(PEER_INFO.size)
         self._send: RawRequest | None = None
         self._sent = False
         self._settled = False
         self._timer: asyncio.TimerHandle | None = None
+        self._recv: RawRequest | None = self._post_receive(
+            self._buffer, PEER_INFO.size, UCP_STREAM_RECV_FLAG_WAITALL, "receiving ucxx's peer information"
+        )
+        if listener:
+            self._timer = loop.call_later(LISTENER_DELAY, self._send_if_quiet)
+
+    def _post_receive(
+        self, buffer: ctypes.Array[ctypes.c_char], size: int, flags: int, what: str
+    ) -> RawRequest:
+        """Post a stream receive into ``buffer``; its completion calls :meth:`received`."""
+        self._id = next(_IDS)
         param = UcpRequestParam()
         param.op_attr_mask = (
             UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS
         )
-        param.flags = UCP_STREAM_RECV_FLAG_WAITALL
+        param.flags = flags
         param.cb = ctypes.cast(_RECV_CALLBACK, ctypes.c_void_p).value
         param.user_data = self._id
         length = ctypes.c_size_t()
         _EXCHANGES[self._id] = self
         try:
             ptr = lib().ucp_stream_recv_nbx(
-                ep, ctypes.addressof(self._buffer), PEER_INFO.size, ctypes.byref(length), ctypes.byref(param)
+                self._ep, ctypes.addressof(buffer), size, ctypes.byref(length), ctypes.byref(param)
             )
         except BaseException:
             del _EXCHANGES[self._id]
             raise
-        self._recv: RawRequest | None = RawRequest(
-            ptr, self._buffer, f"{description}: receiving ucxx's peer information"
-        )
+        request = RawRequest(ptr, buffer, f"{self._description}: {what}")
         if ptr is None:  # the peer's bytes were there already (UCX calls no callback then)
             self.received(UCS_OK)
-        elif self._recv.status != UCS_INPROGRESS:  # refused at once
+        elif request.status != UCS_INPROGRESS:  # refused at once
             _EXCHANGES.pop(self._id, None)
-            refused = status_string(self._recv.status)
-            logger.debug("%s: cannot receive ucxx's peer information: %s", description, refused)
-        if listener:
-            self._timer = loop.call_later(LISTENER_DELAY, self._send_if_quiet)
+            logger.debug("%s: %s failed: %s", self._description, what, status_string(request.status))
+        return request
 
     def received(self, status: int) -> None:
         """The receive completed with ``status`` (called from inside the worker's progress, or at once)."""
         _EXCHANGES.pop(self._id, None)
         if status == UCS_OK:
-            self._loop.call_soon(self._answer)
+            self._loop.call_soon(self._beyond if self._watching else self._answer)
+
+    def _beyond(self) -> None:
+        """More came on the stream after the 16 bytes: nothing more is expected there, and UCX would keep it
+        all (outside every budget) until the connection closes."""
+        if not self._settled:
+            self._excess(
+                "the peer sent data on the UCX stream API after ucxx's peer information (nothing more is "
+                "expected there)"
+            )
 
     def _answer(self) -> None:
-        """The peer's 16 bytes came: check them, and send this side's (a ucxx listener waits for them)."""
-        if self._settled:
+        """The peer's 16 bytes came: check them, and send this side's (a ucxx listener waits for them). A
+        receive stays posted on the stream: anything more the peer sends there ends the connection."""
+        if self._settled or self._watching:
             return
+        self._watching = True
+        self._guard = self._post_receive(
+            ctypes.create_string_buffer(_GUARD_BYTES), _GUARD_BYTES, 0, "watching the stream"
+        )
         if parse_peer_info(self._buffer.raw) is None:
             logger.debug(
                 "%s: the peer's 16 bytes on the stream are not ucxx's peer information: %s",
@@ -229,8 +258,8 @@ class PeerInfoExchange:
             self._timer.cancel()
             self._timer = None
         left: list[tuple[RawRequest, object]] = []
-        for request, keep in ((self._send, None), (self._recv, self._buffer)):
+        for request, keep in ((self._send, None), (self._recv, self._buffer), (self._guard, None)):
             if request is not None and not request.completed:
-                left.append((request, keep))
-        self._send = self._recv = None
+                left.append((request, keep))  # (a RawRequest keeps its own buffer too)
+        self._send = self._recv = self._guard = None
         return left
