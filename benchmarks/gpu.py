@@ -245,6 +245,164 @@ def measure(run: Callable[[], int], repeat: int, warmup: int, sync: Callable[[],
     return rates
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Setup per stream and control per batch (--streams)
+
+#: What each ``--streams`` row serves: ``dissoc serve --device`` flags, and the client's options.
+STREAM_PATHS: dict[str, tuple[list[str], dict[str, Any]]] = {
+    "ucx-packed": (["--transport", "ucx"], {}),
+    "cuda-ipc-pairs-copy": (["--transport", "tcp", "--body", "pairs", "--memory", "cuda"], {}),
+    "cuda-ipc-pairs-zc": (
+        ["--transport", "tcp", "--body", "pairs", "--memory", "cuda"],
+        {"zero_copy": True},
+    ),
+}
+#: ``--streams`` targets: a warm client's later device streams, and the control per batch of CUDA IPC pairs.
+STREAM_TARGET_MS = 2.0
+BATCH_TARGET_US = 50.0
+
+
+def _ipc_file(path: Path, batches: int, rows: int) -> Path:
+    a = np.arange(rows, dtype=np.int64)
+    batch = pa.record_batch({"a": a, "b": a * 3})
+    with pa.ipc.new_file(path, batch.schema) as writer:
+        for _ in range(batches):
+            writer.write_batch(batch)
+    return path
+
+
+def _cli_server(args: list[str], env: dict[str, str], stack: contextlib.ExitStack) -> dict[str, Any]:
+    """``dissoc serve --device ARGS`` in a subprocess (as a user starts one); its ready line."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dissoc.cli", "serve", "--device", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=REPO_ROOT,
+        text=True,
+    )
+
+    def stop() -> None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    stack.callback(stop)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"dissoc serve {' '.join(args)}: exited ({proc.wait()}) before it was ready")
+    return dict(json.loads(line))
+
+
+def streams(env: dict[str, str], repeat: int, count: int) -> list[dict[str, Any]]:
+    """Per stream: a warm client's ``fetch_device`` of a one-batch dataset, default options (the first
+    stream, then the median of ``repeat`` more). Per batch: a stream of ``count`` 2 KiB batches over CUDA IPC
+    pairs, wall time per batch (median of ``repeat`` streams after one untimed)."""
+    import logging
+
+    from dissoc.client import ClientOptions, fetch, fetch_device
+
+    # (the fake device's packed bodies go through host memory: one warning per stream, not measured here)
+    logging.getLogger("dissoc.client").setLevel(logging.ERROR)
+    results: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        import tempfile
+
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        one = _ipc_file(tmp / "one.arrow", 1, 8192)
+        many = _ipc_file(tmp / "many.arrow", count, 128)
+        for name, (args, fields) in STREAM_PATHS.items():
+            try:
+                info = _cli_server([*args, str(one)], env, stack)
+                options = ClientOptions(**fields) if fields else None
+                times = []
+                for _ in range(repeat + 1):
+                    start = time.perf_counter()
+                    fetch_device(info["uri"], info["ticket"], options=options)
+                    times.append((time.perf_counter() - start) * 1e3)
+                later = statistics.median(times[1:])
+                results.append(
+                    {"what": "stream", "path": name, "first_ms": round(times[0], 2), "ms": round(later, 3)}
+                )
+            except Exception as exc:
+                results.append({"what": "stream", "path": name, "error": f"{type(exc).__name__}: {exc}"})
+        try:  # the same server's host streams, for comparison
+            info = _cli_server(["--transport", "ucx", str(one)], env, stack)
+            times = []
+            for _ in range(repeat + 1):
+                start = time.perf_counter()
+                fetch(info["uri"], info["ticket"])
+                times.append((time.perf_counter() - start) * 1e3)
+            results.append(
+                {
+                    "what": "stream",
+                    "path": "ucx-packed-host",
+                    "first_ms": round(times[0], 2),
+                    "ms": round(statistics.median(times[1:]), 3),
+                }
+            )
+        except Exception as exc:
+            results.append(
+                {"what": "stream", "path": "ucx-packed-host", "error": f"{type(exc).__name__}: {exc}"}
+            )
+        for name in ("cuda-ipc-pairs-copy", "cuda-ipc-pairs-zc"):
+            args, fields = STREAM_PATHS[name]
+            try:
+                info = _cli_server([*args, str(many)], env, stack)
+                options = ClientOptions(**fields) if fields else None
+                per_batch = []
+                for k in range(repeat + 1):
+                    start = time.perf_counter()
+                    got = fetch_device(info["uri"], info["ticket"], options=options)
+                    seconds = time.perf_counter() - start
+                    assert len(got) == count, (len(got), count)
+                    del got
+                    if k:
+                        per_batch.append(seconds / count * 1e6)
+                results.append(
+                    {
+                        "what": "batch",
+                        "path": name,
+                        "batches": count,
+                        "us": round(statistics.median(per_batch), 2),
+                    }
+                )
+            except Exception as exc:
+                results.append({"what": "batch", "path": name, "error": f"{type(exc).__name__}: {exc}"})
+    return results
+
+
+def _print_streams(results: list[dict[str, Any]], out: Any) -> None:
+    print(f"{'per stream (warm client)':<28} {'first ms':>9} {'later ms':>9}  target", file=out)
+    for e in results:
+        if e["what"] != "stream":
+            continue
+        if "error" in e:
+            print(f"{e['path']:<28} {e['error']}", file=out)
+            continue
+        target = (
+            ""
+            if e["path"].endswith("-host")
+            else ("met" if e["ms"] <= STREAM_TARGET_MS else "MISSED") + f" (<= {STREAM_TARGET_MS:g} ms)"
+        )
+        print(f"{e['path']:<28} {e['first_ms']:>9.2f} {e['ms']:>9.3f}  {target}", file=out)
+    print(f"{'control per batch':<28} {'batches':>9} {'us':>9}  target", file=out)
+    for e in results:
+        if e["what"] != "batch":
+            continue
+        if "error" in e:
+            print(f"{e['path']:<28} {e['error']}", file=out)
+            continue
+        verdict = "met" if e["us"] <= BATCH_TARGET_US else "MISSED"
+        print(
+            f"{e['path']:<28} {e['batches']:>9} {e['us']:>9.2f}  {verdict} (<= {BATCH_TARGET_US:g} us)",
+            file=out,
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -262,6 +420,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="keep each path's connections between fetches (as throughput.py does); by default every fetch "
         "connects anew, so a stream pays its setup (UCX workers, mapping the arena's IPC handle)",
+    )
+    parser.add_argument(
+        "--streams",
+        action="store_true",
+        help="measure setup per stream (a warm client's device streams) and control per batch (CUDA IPC "
+        "pairs) instead of throughput",
+    )
+    parser.add_argument(
+        "--batches", type=int, default=4000, help="batches per stream of --streams' per-batch rows"
     )
     args = parser.parse_args(argv)
     if args.command:
@@ -281,6 +448,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         print(f"gpu.py: no device to measure on: {exc}", file=sys.stderr)
         return 2
+    out = sys.stderr if args.json else sys.stdout
+    if args.streams:
+        print(
+            f"# device: {device}; setup per stream and control per batch, median of {args.repeat}", file=out
+        )
+        rows = streams(env, max(3, args.repeat), args.batches)
+        _print_streams(rows, out)
+        if args.json:
+            json.dump({"device": device, "fake": args.fake, "streams": rows}, sys.stdout, indent=2)
+            print()
+        return 1 if any("error" in e for e in rows) else 0
     modes = [m for m in MODES if args.only is None or m in args.only.split(",")]
     sizes = [int(s) for s in args.sizes.split(",")]
     out = sys.stderr if args.json else sys.stdout

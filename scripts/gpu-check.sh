@@ -10,7 +10,7 @@
 #   gpu-check.log     everything printed
 #   gpu-check.json    the summary: each step's status and time, the environment, the test counts and both
 #                     benchmark reports
-#   env.json, pytest-gpu.xml (JUnit), bench.json, bench-reuse.json   what the steps wrote
+#   env.json, pytest-gpu.xml (JUnit), bench.json, bench-reuse.json, streams.json   what the steps wrote
 #
 # The steps, each with its own time limit (under 8 minutes in all); one that fails or runs out of time is
 # recorded and the next one runs:
@@ -21,6 +21,8 @@
 #   tests        python -m pytest -m gpu tests/device (every gpu-marked test is there)
 #   bench        benchmarks/gpu.py --sizes 16,256 --total-mib 1024 --repeat 5
 #   bench-reuse  the same with --reuse-connections, for the paths it changes (ucx-packed, cuda-ipc-pairs-copy)
+#   streams      benchmarks/gpu.py --streams: a warm client's time per device stream, and the control per
+#                batch of CUDA IPC pairs
 # The exit status is 0 when every step passed (or was skipped) and, on a GPU, a gpu test ran; else 1.
 #
 # --fake: for a machine without CUDA, to exercise this script: nothing is installed (the environment is the
@@ -67,9 +69,10 @@ fi
 # Time limits in seconds: 40 + 40 + 170 + 120 + 70, plus 5 s of grace each, is 465 s.
 LIMIT_INSTALL=40
 LIMIT_ENV=40
-LIMIT_TESTS=170
+LIMIT_TESTS=160
 LIMIT_BENCH=120
 LIMIT_BENCH_REUSE=70
+LIMIT_STREAMS=40
 
 # step NAME LIMIT COMMAND...: runs COMMAND under LIMIT seconds and records NAME's status in steps.tsv.
 step() {
@@ -93,7 +96,7 @@ skip() {  # skip NAME WHY
 
 main() {
     local started=$SECONDS
-    rm -f "$out/steps.tsv" "$out/env.json" "$out/pytest-gpu.xml" "$out/bench.json" "$out/bench-reuse.json" \
+    rm -f "$out/steps.tsv" "$out/env.json" "$out/pytest-gpu.xml" "$out/bench.json" "$out/bench-reuse.json" "$out/streams.json" \
         "$out/gpu-check.json"
     echo "gpu-check: $(date -u +%Y-%m-%dT%H:%M:%SZ), fake=$fake, python=$py, out=$out" >&2
 
@@ -195,6 +198,11 @@ PY
     step bench "$LIMIT_BENCH" "$py" benchmarks/gpu.py "${sizes[@]}" --json >"$out/bench.json"
     step bench-reuse "$LIMIT_BENCH_REUSE" "$py" benchmarks/gpu.py "${sizes[@]}" --reuse-connections \
         --only ucx-packed,cuda-ipc-pairs-copy --json >"$out/bench-reuse.json"
+    local counts=(--repeat 9 --batches 4000)
+    if [ "$fake" = 1 ]; then
+        counts=(--fake --repeat 3 --batches 300)
+    fi
+    step streams "$LIMIT_STREAMS" "$py" benchmarks/gpu.py --streams "${counts[@]}" --json >"$out/streams.json"
 
     # --- summary
     "$py" - "$out" "$fake" "$((SECONDS - started))" <<'PY'
@@ -242,6 +250,7 @@ summary = {
     "tests": tests,
     "bench": read_json("bench.json"),
     "bench_reuse": read_json("bench-reuse.json"),
+    "streams": read_json("streams.json"),
 }
 (out / "gpu-check.json").write_text(json.dumps(summary, indent=2) + "\n")
 print(f"\ngpu-check: {'passed' if summary['passed'] else 'FAILED'} in {seconds}s")

@@ -53,6 +53,7 @@ def test_gpu_check_fake_runs_every_step_and_writes_its_summary(tmp_path: Path) -
         "tests",
         "bench",
         "bench_reuse",
+        "streams",
     }
     assert summary["fake"] is True and summary["passed"] is True and summary["problems"] == []
     steps = {s["name"]: s["status"] for s in summary["steps"]}
@@ -62,6 +63,7 @@ def test_gpu_check_fake_runs_every_step_and_writes_its_summary(tmp_path: Path) -
         "tests": "passed",
         "bench": "passed",
         "bench-reuse": "passed",
+        "streams": "passed",
     }
     packages = summary["env"]["packages"]
     assert Path(packages["dissoc"]["from"]) == REPO / "dissoc", "dissoc must come from the checkout"
@@ -80,7 +82,23 @@ def test_gpu_check_fake_runs_every_step_and_writes_its_summary(tmp_path: Path) -
         "ucx-packed",
         "cuda-ipc-pairs-copy",
     }
-    for name in ("gpu-check.log", "env.json", "pytest-gpu.xml", "bench.json", "bench-reuse.json"):
+    for entry in summary["bench"]["results"]:
+        assert "error" not in entry, entry
+        assert entry["batches"] == 4 and entry["median_gbps"] > 0
+    streams = {(e["what"], e["path"]): e for e in summary["streams"]["streams"]}
+    assert set(streams) == {
+        ("stream", "ucx-packed"),
+        ("stream", "cuda-ipc-pairs-copy"),
+        ("stream", "cuda-ipc-pairs-zc"),
+        ("stream", "ucx-packed-host"),
+        ("batch", "cuda-ipc-pairs-copy"),
+        ("batch", "cuda-ipc-pairs-zc"),
+    }
+    for entry in streams.values():
+        assert "error" not in entry, entry
+        assert entry.get("ms", entry.get("us", 0)) > 0
+    files = ("gpu-check.log", "env.json", "pytest-gpu.xml", "bench.json", "bench-reuse.json", "streams.json")
+    for name in files:
         assert (tmp_path / name).is_file(), name
     assert "gpu-check: passed" in (tmp_path / "gpu-check.log").read_text()
 
