@@ -364,3 +364,45 @@ async def test_lanes_name_the_ucx_transports_of_both_ends() -> None:
             assert "tcp" in {lane.split("/", 1)[0] for lane in lanes}, lanes
         await client.close()
         assert client.lanes() == ()  # a closed endpoint is not asked
+
+
+async def test_the_listener_accepts_on_a_worker_it_made_ahead() -> None:
+    """Making a UCX worker takes about 10 ms: a listener keeps one made for its next connection of each
+    kind, takes it when a connection comes, and makes the next one soon after."""
+    from dissoc.transport.ucx import UcxListener
+    from dissoc.transport.ucx.listener import SPARE_WORKERS
+
+    accepted: asyncio.Queue[Connection] = asyncio.Queue()
+    done = asyncio.Event()
+
+    async def handler(conn: Connection) -> None:
+        await accepted.put(conn)
+        await done.wait()
+
+    listener = await serve("ucx", "127.0.0.1", 0, handler)
+    assert isinstance(listener, UcxListener)
+    spares = listener._spares  # (the listener's own bookkeeping, looked at from here)
+
+    async def filled() -> None:
+        while any(len(s) < SPARE_WORKERS for s in spares.values()):
+            await asyncio.sleep(0.01)
+
+    clients: list[Connection] = []
+    try:
+        await asyncio.wait_for(filled(), 10)
+        for _ in range(2):
+            ready = spares["listener"][-1]
+            clients.append(await connect("ucx", "127.0.0.1", listener.port, timeout=10))
+            server = await asyncio.wait_for(accepted.get(), 10)
+            assert server._worker is ready  # type: ignore[attr-defined]
+            await asyncio.wait_for(filled(), 10)
+            assert spares["listener"][-1] is not ready
+            await clients[-1].send_tagged(5, b"ping")
+            assert bytes((await asyncio.wait_for(server.recv_tagged(5), 10)).view()) == b"ping"
+    finally:
+        for client in clients:
+            await client.close()
+        done.set()
+        listener.close()
+        await asyncio.wait_for(listener.wait_closed(), 10)
+    assert all(not s for s in spares.values()), "a closed listener kept its spare workers"

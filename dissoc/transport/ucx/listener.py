@@ -66,6 +66,12 @@ class _Limits(TypedDict):
     receive_budget: ReceiveBudget | None
 
 
+#: Workers a listener keeps made ahead of need, per kind of connection (making one takes about 10 ms, which
+#: a connection then does not wait for); refilled one at a time, soon after one is taken.
+SPARE_WORKERS = 1
+#: Seconds after a spare worker was taken before the next is made (the accept goes first).
+_REFILL_DELAY = 0.02
+
 #: Live listeners by the id their connection handler is given.
 _LISTENERS: dict[int, UcxListener] = {}
 _IDS = itertools.count(1)
@@ -168,6 +174,10 @@ class UcxListener(Listener):
         self._driver.on_progress = self._poll_hellos
         self._driver.busy = lambda: bool(self._hellos)
         self._driver.kick()
+        #: Spare workers by context kind: "default" (the same-host path), "listener" (the listener path).
+        self._spares: dict[str, list[Any]] = {"default": [], "listener": []}
+        self._refill: asyncio.TimerHandle | None = None
+        self._refill_soon()
         logger.debug("listening on %s", self.address)
 
     @property
@@ -179,6 +189,32 @@ class UcxListener(Listener):
     def port(self) -> int:
         """The bound port."""
         return self._port
+
+    def _new_worker(self, kind: str) -> Any:
+        """A worker for a new connection: a spare one if there is one (another is made soon after)."""
+        spares = self._spares[kind]
+        worker = spares.pop() if spares else self._lib.UCXWorker(ucx_context(kind))
+        self._refill_soon()
+        return worker
+
+    def _refill_soon(self) -> None:
+        if self._refill is None and not self._closing and SPARE_WORKERS > 0:
+            self._refill = self._loop.call_later(_REFILL_DELAY, self._make_spare)
+
+    def _make_spare(self) -> None:
+        """Make one missing spare worker (one per call: the loop is held for one worker's making)."""
+        self._refill = None
+        if self._closing:
+            return
+        for kind, spares in self._spares.items():
+            if len(spares) < SPARE_WORKERS:
+                try:
+                    spares.append(self._lib.UCXWorker(ucx_context(kind)))
+                except Exception as exc:  # a connection then makes its own, and says why if it cannot
+                    logger.debug("%s: a spare UCX worker could not be made: %s", self.address, exc)
+                    return
+                self._refill_soon()
+                return
 
     def uri_params(self) -> dict[str, str]:
         """``worker``: the listener worker's address (base64), for the same-host path."""
@@ -267,7 +303,7 @@ class UcxListener(Listener):
                 client_address = parse_hello(await receive(), description)
                 lib = self._lib
                 client = lib.UCXAddress.create_from_buffer(client_address)
-                worker = lib.UCXWorker(ucx_context())
+                worker = self._new_worker("default")
                 driver = Driver(worker, self._loop, description)
                 # dissoc's own endpoint (not ucxx's): closed forcefully when the client dies, which a ucxx
                 # endpoint without peer-failure handling cannot be (its sends would hold the worker).
@@ -350,7 +386,7 @@ class UcxListener(Listener):
             description = f"ucx {self.address}<-{peer or '?'}#{next(self._count)}"
             driver: Driver | None = None
             try:
-                worker = self._lib.UCXWorker(ucx_context("listener"))
+                worker = self._new_worker("listener")
                 driver = Driver(worker, self._loop, description)
                 endpoint = RawEndpoint(int(worker.handle), description, conn_request=conn_request)
                 connection = UcxConnection(
@@ -380,6 +416,11 @@ class UcxListener(Listener):
             self._start_handler(connection, peer)
 
     def _stop_accepting(self) -> None:
+        if self._refill is not None:
+            self._refill.cancel()
+            self._refill = None
+        for spares in self._spares.values():
+            spares.clear()
         listener, self._listener = self._listener, None
         _LISTENERS.pop(self._id, None)
         if listener is not None:
