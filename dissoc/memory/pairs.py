@@ -25,6 +25,8 @@ for a while after).
 from __future__ import annotations
 
 import base64
+import collections
+import contextlib
 import logging
 import threading
 import weakref
@@ -272,11 +274,15 @@ class _ShmZeroCopy(_Leasing):
 
 _client_rma: Any = None
 _client_rma_lock = threading.Lock()
-_endpoints: dict[bytes, Any] = {}
+#: This process's RMA endpoints by the server worker they reach, least recently used first.
+_endpoints: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
+#: RMA endpoints kept (one per server arena's worker); the least recently used beyond this is closed.
+MAX_RMA_PEERS = 32
 
 
 def _rma_endpoint(worker: bytes) -> Any:
-    """This process's RMA context (one, made on first use) and its endpoint to ``worker``."""
+    """This process's RMA context (one, made on first use) and its endpoint to ``worker``, kept for the
+    next stream (at most :data:`MAX_RMA_PEERS` of them)."""
     global _client_rma
     from dissoc.memory.ucx_rma import RmaContext
 
@@ -287,6 +293,11 @@ def _rma_endpoint(worker: bytes) -> Any:
         ep = _endpoints.get(worker)
         if ep is None or ep.closed:
             ep = _endpoints[worker] = _client_rma.connect(worker)
+        _endpoints.move_to_end(worker)
+        while len(_endpoints) > MAX_RMA_PEERS:
+            _, oldest = _endpoints.popitem(last=False)
+            with contextlib.suppress(DissocError):
+                oldest.close()
         return ep
 
 

@@ -1,8 +1,9 @@
 """The documentation's examples run, its commands exist and its links lead somewhere.
 
 Every ```` ```python ```` block of ``README.md`` and ``docs/**/*.md`` runs as a script in a fresh interpreter
-(the repository first on its path, a temporary directory as its working directory) and must exit 0 within
-its timeout; a failure names the file, the line of the block and what it printed. Identical blocks run once.
+(the repository first on its path, a temporary directory as its working directory; two at a time) and must
+exit 0 within its timeout; a failure names the file, the line of the block and what it printed. Identical
+blocks run once.
 
 A block that needs an optional extra or a device says so in an HTML comment on the line before its fence::
 
@@ -30,7 +31,9 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,40 +186,74 @@ def _numbered(code: str) -> str:
     return "\n".join(f"{n:4} | {line}" for n, line in enumerate(code.splitlines(), 1))
 
 
+#: Examples run at once (each is a process of its own, mostly waiting on a server or a JVM).
+PARALLEL = 2
+
+
+def _run(block: Block) -> tuple[int | None, str]:
+    """Run ``block`` as a script in a temporary directory: (exit status, or None past its timeout; output)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "example.py"
+        script.write_text(block.code, encoding="utf-8")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        timeout = SPARK_TIMEOUT if "spark" in block.needs else TIMEOUT
+        try:
+            done = subprocess.run(
+                [sys.executable, str(script)],
+                cwd=tmp,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired as e:
+            said = e.output if isinstance(e.output, str) else (e.output or b"").decode(errors="replace")
+            return None, said
+        return done.returncode, done.stdout
+
+
+@pytest.fixture(scope="session")
+def example_runs(request: pytest.FixtureRequest) -> Iterator[dict[Block, Future[tuple[int | None, str]]]]:
+    """Every selected example that can run here, started :data:`PARALLEL` at a time in the order the tests
+    take them; each test waits for its own."""
+    blocks: list[Block] = []
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        block = callspec.params.get("block") if callspec is not None else None
+        if isinstance(block, Block) and all(_missing(need) is None for need in block.needs):
+            blocks.append(block)
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        runs = {block: pool.submit(_run, block) for block in blocks}
+        try:
+            yield runs
+        finally:
+            for run in runs.values():
+                run.cancel()
+
+
 @pytest.mark.parametrize("block", _params())
-def test_example_runs(block: Block, tmp_path: Path) -> None:
+def test_example_runs(block: Block, example_runs: dict[Block, Future[tuple[int | None, str]]]) -> None:
     for need in block.needs:
         why = _missing(need)
         if why is not None:
             pytest.skip(f"{block.where} needs {need}: {why}")
-    script = tmp_path / "example.py"
-    script.write_text(block.code, encoding="utf-8")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     timeout = SPARK_TIMEOUT if "spark" in block.needs else TIMEOUT
+    run = example_runs.get(block)
+    status, said = run.result() if run is not None else _run(block)
     where = block.where + (f" (also at {', '.join(block.also_at)})" if block.also_at else "")
-    try:
-        done = subprocess.run(
-            [sys.executable, str(script)],
-            cwd=tmp_path,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=timeout,
-        )
-    except subprocess.TimeoutExpired as e:
-        said = e.output if isinstance(e.output, str) else (e.output or b"").decode(errors="replace")
+    if status is None:
         pytest.fail(
             f"{where}: the example did not finish within {timeout:g} s\n--- the block ---\n"
             f"{_numbered(block.code)}\n--- its output so far ---\n{said[-4000:]}",
             pytrace=False,
         )
-    if done.returncode != 0:
+    if status != 0:
         pytest.fail(
-            f"{where}: the example failed (exit status {done.returncode})\n--- the block ---\n"
-            f"{_numbered(block.code)}\n--- its output ---\n{done.stdout[-4000:]}",
+            f"{where}: the example failed (exit status {status})\n--- the block ---\n"
+            f"{_numbered(block.code)}\n--- its output ---\n{said[-4000:]}",
             pytrace=False,
         )
 

@@ -597,3 +597,27 @@ def test_get_timeout_cancels_and_recovers(monkeypatch: pytest.MonkeyPatch) -> No
         while any(entry[0] is client for entry in rma._ABANDONED) and time.monotonic() < deadline:
             client.progress()
         assert not any(entry[0] is client for entry in rma._ABANDONED)  # completed and freed
+
+
+@pytest.mark.ucx
+def test_the_client_keeps_a_bounded_set_of_rma_endpoints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client reads pairs over RMA through one endpoint per server worker, kept for the next stream; past
+    MAX_RMA_PEERS the least recently used is closed."""
+    from dissoc.memory import pairs
+
+    monkeypatch.setattr(pairs, "MAX_RMA_PEERS", 2)
+    servers = [rma.RmaContext() for _ in range(3)]
+    try:
+        addresses = [s.worker_address() for s in servers]
+        first = pairs._rma_endpoint(addresses[0])
+        assert pairs._rma_endpoint(addresses[0]) is first  # kept
+        second = pairs._rma_endpoint(addresses[1])
+        assert pairs._rma_endpoint(addresses[0]) is first  # (now the most recently used)
+        pairs._rma_endpoint(addresses[2])
+        assert second.closed and not first.closed
+        assert list(pairs._endpoints) == [addresses[0], addresses[2]]
+    finally:
+        for address in list(pairs._endpoints):
+            pairs._endpoints.pop(address).close()
+        for s in servers:
+            s.close()
