@@ -248,14 +248,15 @@ def measure(run: Callable[[], int], repeat: int, warmup: int, sync: Callable[[],
 # ----------------------------------------------------------------------------------------------------------
 # Setup per stream and control per batch (--streams)
 
-#: What each ``--streams`` row serves: ``dissoc serve --device`` flags, and the client's options.
-STREAM_PATHS: dict[str, tuple[list[str], dict[str, Any]]] = {
-    "ucx-packed": (["--transport", "ucx"], {}),
-    "cuda-ipc-pairs-copy": (["--transport", "tcp", "--body", "pairs", "--memory", "cuda"], {}),
-    "cuda-ipc-pairs-zc": (
-        ["--transport", "tcp", "--body", "pairs", "--memory", "cuda"],
-        {"zero_copy": True},
-    ),
+#: ``--streams``: the servers (``dissoc serve --device`` flags), and each row's server and client options.
+STREAM_SERVERS = {
+    "ucx": ["--transport", "ucx"],
+    "pairs": ["--transport", "tcp", "--body", "pairs", "--memory", "cuda"],
+}
+STREAM_PATHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "ucx-packed": ("ucx", {}),
+    "cuda-ipc-pairs-copy": ("pairs", {}),
+    "cuda-ipc-pairs-zc": ("pairs", {"zero_copy": True}),
 }
 #: ``--streams`` targets: a warm client's later device streams, and the control per batch of CUDA IPC pairs.
 STREAM_TARGET_MS = 2.0
@@ -271,30 +272,52 @@ def _ipc_file(path: Path, batches: int, rows: int) -> Path:
     return path
 
 
-def _cli_server(args: list[str], env: dict[str, str], stack: contextlib.ExitStack) -> dict[str, Any]:
-    """``dissoc serve --device ARGS`` in a subprocess (as a user starts one); its ready line."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dissoc.cli", "serve", "--device", "--port", "0", *args],
-        stdout=subprocess.PIPE,
-        env=env,
-        cwd=REPO_ROOT,
-        text=True,
-    )
+def _cli_servers(
+    servers: dict[str, list[str]], env: dict[str, str], stack: contextlib.ExitStack
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """``dissoc serve --device ARGS`` per entry, in subprocesses started together (as a user starts one);
+    each one's ready lines by ticket."""
+    procs: dict[str, subprocess.Popen[str]] = {}
+    for name, args in servers.items():
+        proc = procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "dissoc.cli", "serve", "--device", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=REPO_ROOT,
+            text=True,
+        )
+        stack.callback(_stop, proc)
+    ready: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, proc in procs.items():
+        assert proc.stdout is not None
+        lines = {}
+        for _ in range(sum(1 for a in servers[name] if a.endswith(".arrow"))):
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"dissoc serve {' '.join(servers[name])}: exited ({proc.wait()}) early")
+            info = json.loads(line)
+            lines[info["ticket"]] = info
+        ready[name] = lines
+    return ready
 
-    def stop() -> None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
-    stack.callback(stop)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"dissoc serve {' '.join(args)}: exited ({proc.wait()}) before it was ready")
-    return dict(json.loads(line))
+def _stop(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _timed_ms(call: Callable[[], object], repeat: int) -> tuple[float, float]:
+    """The first call's milliseconds, and the median of ``repeat`` more."""
+    times = []
+    for _ in range(repeat + 1):
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1e3)
+    return round(times[0], 2), round(statistics.median(times[1:]), 3)
 
 
 def streams(env: dict[str, str], repeat: int, count: int) -> list[dict[str, Any]]:
@@ -302,6 +325,7 @@ def streams(env: dict[str, str], repeat: int, count: int) -> list[dict[str, Any]
     stream, then the median of ``repeat`` more). Per batch: a stream of ``count`` 2 KiB batches over CUDA IPC
     pairs, wall time per batch (median of ``repeat`` streams after one untimed)."""
     import logging
+    import tempfile
 
     from dissoc.client import ClientOptions, fetch, fetch_device
 
@@ -309,67 +333,48 @@ def streams(env: dict[str, str], repeat: int, count: int) -> list[dict[str, Any]
     logging.getLogger("dissoc.client").setLevel(logging.ERROR)
     results: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
-        import tempfile
-
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        one = _ipc_file(tmp / "one.arrow", 1, 8192)
-        many = _ipc_file(tmp / "many.arrow", count, 128)
-        for name, (args, fields) in STREAM_PATHS.items():
+        one = str(_ipc_file(tmp / "one.arrow", 1, 8192))
+        many = str(_ipc_file(tmp / "many.arrow", count, 128))
+        try:
+            servers = _cli_servers({k: [*v, one, many] for k, v in STREAM_SERVERS.items()}, env, stack)
+        except Exception as exc:
+            return [{"what": "stream", "path": "servers", "error": f"{type(exc).__name__}: {exc}"}]
+        for name, (server, fields) in STREAM_PATHS.items():
+            info = servers[server]["one"]
+            options = ClientOptions(**fields) if fields else None
             try:
-                info = _cli_server([*args, str(one)], env, stack)
-                options = ClientOptions(**fields) if fields else None
-                times = []
-                for _ in range(repeat + 1):
-                    start = time.perf_counter()
-                    fetch_device(info["uri"], info["ticket"], options=options)
-                    times.append((time.perf_counter() - start) * 1e3)
-                later = statistics.median(times[1:])
-                results.append(
-                    {"what": "stream", "path": name, "first_ms": round(times[0], 2), "ms": round(later, 3)}
+                first, later = _timed_ms(
+                    lambda: fetch_device(info["uri"], "one", options=options),  # noqa: B023 (called at once)
+                    repeat,
                 )
+                results.append({"what": "stream", "path": name, "first_ms": first, "ms": later})
             except Exception as exc:
                 results.append({"what": "stream", "path": name, "error": f"{type(exc).__name__}: {exc}"})
         try:  # the same server's host streams, for comparison
-            info = _cli_server(["--transport", "ucx", str(one)], env, stack)
-            times = []
-            for _ in range(repeat + 1):
-                start = time.perf_counter()
-                fetch(info["uri"], info["ticket"])
-                times.append((time.perf_counter() - start) * 1e3)
-            results.append(
-                {
-                    "what": "stream",
-                    "path": "ucx-packed-host",
-                    "first_ms": round(times[0], 2),
-                    "ms": round(statistics.median(times[1:]), 3),
-                }
-            )
+            info = servers["ucx"]["one"]
+            first, later = _timed_ms(lambda: fetch(info["uri"], "one"), repeat)
+            results.append({"what": "stream", "path": "ucx-packed-host", "first_ms": first, "ms": later})
         except Exception as exc:
             results.append(
                 {"what": "stream", "path": "ucx-packed-host", "error": f"{type(exc).__name__}: {exc}"}
             )
         for name in ("cuda-ipc-pairs-copy", "cuda-ipc-pairs-zc"):
-            args, fields = STREAM_PATHS[name]
+            server, fields = STREAM_PATHS[name]
+            info = servers[server]["many"]
+            options = ClientOptions(**fields) if fields else None
             try:
-                info = _cli_server([*args, str(many)], env, stack)
-                options = ClientOptions(**fields) if fields else None
                 per_batch = []
                 for k in range(repeat + 1):
                     start = time.perf_counter()
-                    got = fetch_device(info["uri"], info["ticket"], options=options)
+                    got = fetch_device(info["uri"], "many", options=options)
                     seconds = time.perf_counter() - start
                     assert len(got) == count, (len(got), count)
                     del got
                     if k:
                         per_batch.append(seconds / count * 1e6)
-                results.append(
-                    {
-                        "what": "batch",
-                        "path": name,
-                        "batches": count,
-                        "us": round(statistics.median(per_batch), 2),
-                    }
-                )
+                us = round(statistics.median(per_batch), 2)
+                results.append({"what": "batch", "path": name, "batches": count, "us": us})
             except Exception as exc:
                 results.append({"what": "batch", "path": name, "error": f"{type(exc).__name__}: {exc}"})
     return results
