@@ -21,9 +21,10 @@ logger = logging.getLogger(__name__)
 _GUARD_PERIOD = 0.5
 #: Progress/probe rounds before the worker is armed even though work keeps appearing (then come back soon).
 MAX_ROUNDS = 64
-#: Seconds a worker keeps being polled after its last activity (``DISSOC_UCX_SPIN_US`` in microseconds;
-#: 0: armed at once, every wake-up through the descriptor).
-SPIN_S = float(os.environ.get("DISSOC_UCX_SPIN_US", "500")) / 1e6
+#: Seconds a worker keeps being polled after its last activity (``DISSOC_UCX_SPIN_US`` in microseconds).
+#: 0, the default: armed at once, every wake-up through the descriptor. Polling spends a core while it
+#: lasts; where wake-ups are dear and messages come one at a time it can pay.
+SPIN_S = float(os.environ.get("DISSOC_UCX_SPIN_US", "0")) / 1e6
 
 #: Outstanding requests of closed connections, with their buffers and worker (see Driver.close).
 _ABANDONED: list[tuple[Pending, Any]] = []
