@@ -18,6 +18,7 @@ from typing import Any
 from helpers.e2e import PYTHON, REPO, read_lines
 
 __all__ = [
+    "SPLIT_STREAM",
     "as_bytes",
     "child_server",
     "gather_pairs",
@@ -135,3 +136,31 @@ def child_server(argv: list[str], count: int) -> Iterator[tuple[Any, list[dict[s
         for pipe in (proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
+
+
+#: ``split_stream(path)`` for the child scripts that serve the Dissociated IPC wire with pyarrow and ucxx
+#: alone (they import ``struct`` and ``pyarrow as pa`` themselves): the file's table as an IPC stream, cut
+#: into (metadata, body) at its encapsulation boundaries.
+SPLIT_STREAM = '''
+def split_stream(path):
+    """The file's table as an IPC stream, cut into (metadata, body) at its encapsulation boundaries:
+    0xFFFFFFFF, int32 metadata length (padded to 8), the metadata, the body (its length from the
+    message)."""
+    with pa.memory_map(path) as source:
+        table = pa.ipc.open_file(source).read_all()
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    stream = sink.getvalue().to_pybytes()
+    out, pos = [], 0
+    while True:
+        marker, length = struct.unpack_from("<Ii", stream, pos)
+        assert marker == 0xFFFFFFFF
+        if length == 0:
+            return out
+        metadata = stream[pos + 8 : pos + 8 + length]
+        message = pa.ipc.read_message(pa.py_buffer(stream[pos:]))
+        size = 0 if message.body is None else message.body.size
+        out.append((metadata, stream[pos + 8 + length : pos + 8 + length + size]))
+        pos += 8 + length + size
+'''

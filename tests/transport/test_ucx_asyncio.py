@@ -56,6 +56,7 @@ import pytest
 from helpers.e2e import PYTHON, REPO, sample_table
 from helpers.transport import connected_pair
 from helpers.ucx_wire import (
+    SPLIT_STREAM,
     as_bytes,
     child_server,
     gather_pairs,
@@ -502,25 +503,7 @@ ASYNCIO_SERVER = textwrap.dedent(
         print(json.dumps(what), flush=True)
 
 
-    def split_stream(path):
-        """The file's table as an IPC stream, cut into (metadata, body) at its encapsulation boundaries."""
-        with pa.memory_map(path) as source:
-            table = pa.ipc.open_file(source).read_all()
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, table.schema) as writer:
-            writer.write_table(table)
-        stream = sink.getvalue().to_pybytes()
-        out, pos = [], 0
-        while True:
-            marker, length = struct.unpack_from("<Ii", stream, pos)
-            assert marker == 0xFFFFFFFF
-            if length == 0:
-                return out
-            metadata = stream[pos + 8 : pos + 8 + length]
-            message = pa.ipc.read_message(pa.py_buffer(stream[pos:]))
-            size = 0 if message.body is None else message.body.size
-            out.append((metadata, stream[pos + 8 + length : pos + 8 + length + size]))
-            pos += 8 + length + size
+    # SPLIT_STREAM
 
 
     streams = {os.path.splitext(os.path.basename(p))[0]: split_stream(p) for p in sys.argv[1:]}
@@ -574,7 +557,7 @@ ASYNCIO_SERVER = textwrap.dedent(
 
     asyncio.run(main())
     '''
-)
+).replace("# SPLIT_STREAM\n", SPLIT_STREAM)
 
 
 class AsyncioServer:

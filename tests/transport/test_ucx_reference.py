@@ -44,11 +44,12 @@ import pyarrow as pa
 import pytest
 from helpers.e2e import PYTHON, REPO, read_lines
 from helpers.ucx_wire import (
-    as_bytes as _bytes,
-)
-from helpers.ucx_wire import (
+    SPLIT_STREAM,
     child_server,
     message_fields,
+)
+from helpers.ucx_wire import (
+    as_bytes as _bytes,
 )
 from helpers.ucx_wire import (
     gather_pairs as _gather_pairs,
@@ -785,28 +786,7 @@ REF_SERVER = textwrap.dedent(
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
 
 
-    def split_stream(path):
-        """The file's table as an IPC stream, cut into (metadata, body) at its encapsulation boundaries:
-        0xFFFFFFFF, int32 metadata length (padded to 8), the metadata, the body (its length from the
-        message)."""
-        with pa.memory_map(path) as source:
-            table = pa.ipc.open_file(source).read_all()
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, table.schema) as writer:
-            writer.write_table(table)
-        stream = sink.getvalue().to_pybytes()
-        out, pos = [], 0
-        while True:
-            marker, length = struct.unpack_from("<Ii", stream, pos)
-            assert marker == 0xFFFFFFFF
-            if length == 0:
-                return out
-            metadata = stream[pos + 8 : pos + 8 + length]
-            message = pa.ipc.read_message(pa.py_buffer(stream[pos:]))
-            size = 0 if message.body is None else message.body.size
-            body = stream[pos + 8 + length : pos + 8 + length + size]
-            out.append((metadata, body))
-            pos += 8 + length + size
+    # SPLIT_STREAM
 
 
     streams = {os.path.splitext(os.path.basename(p))[0]: split_stream(p) for p in sys.argv[3:]}
@@ -918,7 +898,7 @@ REF_SERVER = textwrap.dedent(
             event(gone=count)
         del ep
     '''
-)
+).replace("# SPLIT_STREAM\n", SPLIT_STREAM)
 
 
 @pytest.fixture(scope="module")
