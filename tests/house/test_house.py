@@ -94,18 +94,50 @@ def _without_extras(root: Path) -> Path:
     return python
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("extras", [True, False], ids=["with-extras", "without-extras"])
-def test_mypy_strict(extras: bool) -> None:
-    """As configured, for the interpreter running the tests (the project's venv: every extra installed); and
-    for a throwaway environment holding only the base, test and dev distributions, where every import of an
-    optional extra must still type-check (a lazy import of an extra that ships types is one mypy cannot find
-    there). That run keeps its environment and cache beside the usual cache, at stable paths (warm runs take
-    seconds)."""
+def _mypy(extras: bool) -> list[str]:
     mypy = [_tool("mypy")]
     if not extras:
         home = REPO / ".mypy_cache" / "without-extras"
         python = _without_extras(home / "venv")
         mypy += ["--python-executable", str(python), "--cache-dir", str(home / "cache")]
-    got = subprocess.run(mypy, cwd=REPO, capture_output=True, text=True, timeout=590)
-    assert got.returncode == 0, got.stdout + got.stderr
+    return mypy
+
+
+@pytest.fixture(scope="module")
+def mypy_runs(request: pytest.FixtureRequest) -> dict[bool, tuple[int, str]]:
+    """The selected mypy runs, started together (each is one process; two cores halve the wait): exit
+    status and output by ``extras``."""
+    wanted = [
+        item.callspec.params["extras"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_mypy_strict" and hasattr(item, "callspec")
+    ]
+    procs = {
+        extras: subprocess.Popen(
+            _mypy(extras), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for extras in dict.fromkeys(wanted)
+    }
+    out: dict[bool, tuple[int, str]] = {}
+    try:
+        for extras, proc in procs.items():
+            said, _ = proc.communicate(timeout=590)
+            out[extras] = (proc.returncode, said)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("extras", [True, False], ids=["with-extras", "without-extras"])
+def test_mypy_strict(extras: bool, mypy_runs: dict[bool, tuple[int, str]]) -> None:
+    """As configured, for the interpreter running the tests (the project's venv: every extra installed); and
+    for a throwaway environment holding only the base, test and dev distributions, where every import of an
+    optional extra must still type-check (a lazy import of an extra that ships types is one mypy cannot find
+    there). That run keeps its environment and cache beside the usual cache, at stable paths (warm runs take
+    seconds). Both run at once."""
+    status, said = mypy_runs[extras]
+    assert status == 0, said
