@@ -49,12 +49,20 @@ ucxx's queues, would hold its endpoint and worker for the life of the process; h
 for accepted connections and its own active-message receiving.
 
 **Sending.** One UCX message per message: a single buffer is sent as is (held until UCX completes the send);
-a list of buffers is first gathered into one (a copy). ``send`` returns when UCX has completed the request.
+a list of buffers is first gathered into one (a copy). ``send_many`` (and so ``send``/``send_tagged``)
+returns once its messages are posted while the connection's sends under way stay within
+``SEND_WINDOW_BYTES``/``SEND_WINDOW`` (4 MiB, 512 messages; beyond, it waits for the oldest): the sender
+goes on to its next messages while UCX moves these. A send that fails fails the connection; closing waits
+(up to a bound) for the sends under way.
 
 **Progress.** No thread and no busy loop: each worker runs in blocking mode, its epoll descriptor is watched
 by the event loop (``add_reader``); on activity the worker is progressed, requests are completed and probes
 are run, then the worker is armed again. While requests are outstanding a 0.5 s timer also progresses it, as
-a guard against a missed wake-up. An idle connection costs no CPU.
+a guard against a missed wake-up. An idle connection costs no CPU. ``DISSOC_UCX_SPIN_US`` (off by default)
+keeps a worker polled, from the loop, for that many microseconds after its last activity.
+
+**Workers.** A listener keeps one worker made ahead for its next connection on each path
+(``listener.SPARE_WORKERS``): making one takes about 10 ms, which the connection then does not wait for.
 
 **Environment.** ucxx is imported lazily, by the first ``serve_ucx``/``connect_ucx`` call, never by importing
 this package, and the environment is left as it was: importing ucxx sets, when unset, ``UCX_MEMTYPE_CACHE=n``,
