@@ -15,10 +15,13 @@ import subprocess
 from collections.abc import Iterator
 from typing import Any
 
+import pyarrow as pa
+
 from helpers.e2e import PYTHON, REPO, read_lines
 
 __all__ = [
     "SPLIT_STREAM",
+    "plain_table",
     "as_bytes",
     "child_server",
     "gather_pairs",
@@ -164,3 +167,17 @@ def split_stream(path):
         out.append((metadata, stream[pos + 8 + length : pos + 8 + length + size]))
         pos += 8 + length + size
 '''
+
+
+def plain_table() -> pa.Table:
+    """8 batches of 8192 rows of (int64, float64): 1 MiB of buffers, 128 KiB bodies (UCX rendezvous)."""
+    batches = [
+        pa.record_batch(
+            {
+                "id": pa.array(range(b * 8192, (b + 1) * 8192), pa.int64()),
+                "x": pa.array([i * 0.25 for i in range(b * 8192, (b + 1) * 8192)], pa.float64()),
+            }
+        )
+        for b in range(8)
+    ]
+    return pa.Table.from_batches(batches)

@@ -61,6 +61,7 @@ from helpers.ucx_wire import (
     child_server,
     gather_pairs,
     message_fields,
+    plain_table,
     ucx_array,
     ucxx_lib,
 )
@@ -83,20 +84,6 @@ DEADLINE = 20.0  # seconds for any one wait (the machine is shared)
 
 
 # ------------------------------------------------------------------------------------------------ datasets
-
-
-def plain_table() -> pa.Table:
-    """8 batches of 8192 rows of (int64, float64): 1 MiB of buffers, 128 KiB bodies (UCX rendezvous)."""
-    batches = [
-        pa.record_batch(
-            {
-                "id": pa.array(range(b * 8192, (b + 1) * 8192), pa.int64()),
-                "x": pa.array([i * 0.25 for i in range(b * 8192, (b + 1) * 8192)], pa.float64()),
-            }
-        )
-        for b in range(8)
-    ]
-    return pa.Table.from_batches(batches)
 
 
 #: ticket -> table: plain, and mixed (dictionaries, nulls, nested types: a dictionary batch first)

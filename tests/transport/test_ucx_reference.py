@@ -47,6 +47,7 @@ from helpers.ucx_wire import (
     SPLIT_STREAM,
     child_server,
     message_fields,
+    plain_table,
 )
 from helpers.ucx_wire import (
     as_bytes as _bytes,
@@ -337,20 +338,6 @@ def assert_nothing_else_arrives(client: RefClient) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ datasets
-
-
-def plain_table() -> pa.Table:
-    """8 batches of 8192 rows of (int64, float64): 1 MiB of buffers."""
-    batches = [
-        pa.record_batch(
-            {
-                "id": pa.array(range(b * 8192, (b + 1) * 8192), pa.int64()),
-                "x": pa.array([i * 0.5 for i in range(b * 8192, (b + 1) * 8192)], pa.float64()),
-            }
-        )
-        for b in range(8)
-    ]
-    return pa.Table.from_batches(batches)
 
 
 def mixed_table() -> pa.Table:
