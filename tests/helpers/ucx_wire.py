@@ -20,6 +20,13 @@ import pyarrow as pa
 from helpers.e2e import PYTHON, REPO, read_lines
 
 __all__ = [
+    "BODY_PACKED",
+    "BODY_PAIRS",
+    "KIND_EOS",
+    "KIND_ERROR",
+    "KIND_METADATA",
+    "RESERVED_BITS",
+    "SEQ_MASK",
     "SPLIT_STREAM",
     "plain_table",
     "as_bytes",
@@ -140,6 +147,17 @@ def child_server(argv: list[str], count: int) -> Iterator[tuple[Any, list[dict[s
             if pipe is not None:
                 pipe.close()
 
+
+# The wire's constants (spec/dissociated-ipc.txt, FACTS.md section 4, DESIGN.md section 3), restated on
+# purpose: the tests that speak the wire with ucxx alone take them from here, not from dissoc, so that a
+# change to them there is a wire change and fails those tests.
+KIND_EOS = 0x00
+KIND_METADATA = 0x01
+KIND_ERROR = 0xE0
+BODY_PACKED = 0
+BODY_PAIRS = 1
+SEQ_MASK = 0x00000000FFFFFFFF
+RESERVED_BITS = 0x00FFFFFF00000000
 
 #: ``split_stream(path)`` for the child scripts that serve the Dissociated IPC wire with pyarrow and ucxx
 #: alone (they import ``struct`` and ``pyarrow as pa`` themselves): the file's table as an IPC stream, cut

@@ -56,6 +56,13 @@ import pytest
 from helpers.e2e import PYTHON, REPO, sample_table
 from helpers.transport import connected_pair
 from helpers.ucx_wire import (
+    BODY_PACKED,
+    BODY_PAIRS,
+    KIND_EOS,
+    KIND_ERROR,
+    KIND_METADATA,
+    RESERVED_BITS,
+    SEQ_MASK,
     SPLIT_STREAM,
     as_bytes,
     child_server,
@@ -72,14 +79,6 @@ pytest.importorskip("ucxx")
 
 pytestmark = [pytest.mark.ucx, pytest.mark.timeout(120)]
 
-# Wire constants (spec/dissociated-ipc.txt, DESIGN.md section 3), restated on purpose.
-KIND_EOS = 0x00
-KIND_METADATA = 0x01
-KIND_ERROR = 0xE0
-BODY_PACKED = 0
-BODY_PAIRS = 1
-SEQ_MASK = 0x00000000FFFFFFFF
-RESERVED_BITS = 0x00FFFFFF00000000
 DEADLINE = 20.0  # seconds for any one wait (the machine is shared)
 
 

@@ -44,6 +44,13 @@ import pyarrow as pa
 import pytest
 from helpers.e2e import PYTHON, REPO, read_lines
 from helpers.ucx_wire import (
+    BODY_PACKED,
+    BODY_PAIRS,
+    KIND_EOS,
+    KIND_ERROR,
+    KIND_METADATA,
+    RESERVED_BITS,
+    SEQ_MASK,
     SPLIT_STREAM,
     child_server,
     message_fields,
@@ -71,14 +78,7 @@ pytestmark = [pytest.mark.ucx, pytest.mark.timeout(180)]
 
 T = TypeVar("T")
 
-# Wire constants (spec/dissociated-ipc.txt, FACTS.md section 4, DESIGN.md section 3), restated on purpose.
-KIND_EOS = 0x00
-KIND_METADATA = 0x01
-KIND_ERROR = 0xE0
-BODY_PACKED = 0
-BODY_PAIRS = 1
-SEQ_MASK = 0x00000000FFFFFFFF
-RESERVED_BITS = 0x00FFFFFF00000000
+# (the wire's constants come from helpers.ucx_wire, restated there on purpose)
 ALL_BITS = 0xFFFFFFFFFFFFFFFF
 MAX_TICKET_BYTES = 64 << 10  # the server's default max_ticket_bytes
 DEADLINE = 20.0  # seconds for any one wait (the machine is shared)

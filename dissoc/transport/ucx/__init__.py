@@ -58,8 +58,7 @@ goes on to its next messages while UCX moves these. A send that fails fails the 
 **Progress.** No thread and no busy loop: each worker runs in blocking mode, its epoll descriptor is watched
 by the event loop (``add_reader``); on activity the worker is progressed, requests are completed and probes
 are run, then the worker is armed again. While requests are outstanding a 0.5 s timer also progresses it, as
-a guard against a missed wake-up. An idle connection costs no CPU. ``DISSOC_UCX_SPIN_US`` (off by default)
-keeps a worker polled, from the loop, for that many microseconds after its last activity.
+a guard against a missed wake-up. An idle connection costs no CPU.
 
 **Workers.** A listener keeps one worker made ahead for its next connection on each path
 (``listener.SPARE_WORKERS``): making one takes about 10 ms, which the connection then does not wait for.

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,10 +19,6 @@ logger = logging.getLogger(__name__)
 _GUARD_PERIOD = 0.5
 #: Progress/probe rounds before the worker is armed even though work keeps appearing (then come back soon).
 MAX_ROUNDS = 64
-#: Seconds a worker keeps being polled after its last activity (``DISSOC_UCX_SPIN_US`` in microseconds).
-#: 0, the default: armed at once, every wake-up through the descriptor. Polling spends a core while it
-#: lasts; where wake-ups are dear and messages come one at a time it can pay.
-SPIN_S = float(os.environ.get("DISSOC_UCX_SPIN_US", "0")) / 1e6
 
 #: Outstanding requests of closed connections, with their buffers and worker (see Driver.close).
 _ABANDONED: list[tuple[Pending, Any]] = []
@@ -67,10 +61,6 @@ class Driver:
         #: waits), so what the peer sends stays in the transport and the peer's sends do not complete.
         self.held: Callable[[], bool] = lambda: False
         self._watching = True
-        #: Seconds the worker is polled (from the loop, between other callbacks) after its last activity
-        #: before it is armed and left to wake the loop through its descriptor (see SPIN_S).
-        self.spin_s = SPIN_S
-        self._active_at = 0.0  # when the worker was last seen active (-1.0: in this very pass)
         try:
             worker.init_blocking_progress_mode()
             self._fd: int = worker.epoll_file_descriptor
@@ -115,26 +105,14 @@ class Driver:
         worker = self.worker
         try:
             for _ in range(MAX_ROUNDS):
-                progressed = worker.progress()
+                worker.progress()
                 self.complete()
                 if self._closed:
                     return
                 if self.on_progress():
-                    self._active_at = -1.0
                     continue
                 if self._closed:
                     return
-                if progressed:
-                    self._active_at = -1.0
-                if self.spin_s > 0:
-                    # Keep polling, from the loop, for a moment after the last activity: while messages
-                    # flow, a wake-up through the descriptor per message costs more than the messages.
-                    now = time.perf_counter()
-                    if self._active_at < 0:
-                        self._active_at = now
-                    if now - self._active_at < self.spin_s:
-                        self.kick()
-                        break
                 if worker.arm():
                     break
             else:
