@@ -1322,29 +1322,32 @@ def test_gpu_cuda_ipc_pairs_from_a_cli_server(
         uri, data_uri, ticket = line["uri"], line["data_uri"], line["ticket"]
         data = DissocURI.parse(data_uri)
         assert data.memory == "cuda" and data.remote_handle is not None and len(data.remote_handle) == 64
-        # Each stream opens the server's handle while the zero-copy batches of an earlier one still map it:
-        # CUDA maps a handle once per process, so the streams share that mapping.
-        for _ in range(3):
+        # The client process maps the server's handle once, on its first stream, and keeps the mapping for the
+        # streams after it (dissoc.memory.mappings), zero-copy, copying and host landings alike.
+        opened = MAPPINGS.opened
+        for i in range(3):
+            mapped = {"open_ipc": 1} if i == 0 else {}
             cupy_counting.reset()
             # (content validation, a host copy per body, is off: these count the landing's own transfers)
             trusting = ClientOptions(zero_copy=True, timeout=30, validate=False)
             zc = fetch_device(uri, ticket, data_uri=data_uri, options=trusting)
-            assert cupy_counting.calls() == {"open_ipc": 1}  # views of the server's allocation: no copy
+            assert cupy_counting.calls() == mapped  # views of the server's allocation: no copy
             _assert_cupy_batches(zc, expected)
             assert DeviceBatch.to_table(zc).equals(expected)
             cupy_counting.reset()
             copied = fetch_device(
                 uri, ticket, data_uri=data_uri, options=ClientOptions(timeout=30, validate=False)
             )
-            assert cupy_counting.calls() == {"open_ipc": 1, "copy": ranges}  # device-to-device
+            assert cupy_counting.calls() == {"copy": ranges}  # device-to-device
             _assert_cupy_batches(copied, expected)
             assert DeviceBatch.to_table(copied).equals(expected)
             cupy_counting.reset()
             host = fetch(uri, ticket, data_uri=data_uri, options=ClientOptions(timeout=30))
-            assert cupy_counting.calls() == {"open_ipc": 1, "download": ranges}
+            assert cupy_counting.calls() == {"download": ranges}
             assert host.equals(expected)
             del zc, copied, host
             gc.collect()
+        assert MAPPINGS.opened == opened + 1
         _stop(proc)
     # the handles were let go of: a new server on the same data starts, serves, and stops cleanly
     with _gpu_cli_server(*args) as (proc, line):
