@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import gc
 import json
@@ -225,6 +226,40 @@ def fetch_path(
         return loop.run_until_complete(once())
 
     return run
+
+
+def _profiled(run: Callable[[], int], title: str, path: str) -> Callable[[], int]:
+    """``run`` under cProfile; every profiled path's functions that took the most time go to ``path`` at
+    exit."""
+    import cProfile
+
+    profile = cProfile.Profile()
+    if not _PROFILES:
+        atexit.register(_write_profiles, path)
+    _PROFILES.append((title, profile))
+
+    def profiled() -> int:
+        profile.enable()
+        try:
+            return run()
+        finally:
+            profile.disable()
+
+    return profiled
+
+
+_PROFILES: list[tuple[str, Any]] = []
+
+
+def _write_profiles(path: str) -> None:
+    import io
+    import pstats
+
+    with open(path, "w") as f:
+        for title, profile in _PROFILES:
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
+            f.write(f"==== {title} (client side, warm-up included)\n{text.getvalue()}\n")
 
 
 def measure(run: Callable[[], int], repeat: int, warmup: int, sync: Callable[[], None]) -> list[float]:
@@ -435,6 +470,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--batches", type=int, default=4000, help="batches per stream of --streams' per-batch rows"
     )
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        default=None,
+        help="profile the client side of each path's timed fetches (cProfile: slower, so not a measurement) "
+        "and write the functions that took the most time to FILE",
+    )
     args = parser.parse_args(argv)
     if args.command:
         if args.command[0] != "serve" or len(args.command) != 4:
@@ -486,6 +528,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 with contextlib.ExitStack() as stack:
                     run = fetch_path(mode, size, count, env, stack, reuse=args.reuse_connections)
+                    if args.profile:
+                        run = _profiled(run, f"{mode} / {size} MiB", args.profile)
                     rows.append((mode, measure(run, args.repeat, args.warmup, backend.synchronize)))
             except Exception as exc:
                 rows.append((mode, f"error: {type(exc).__name__}: {exc}"))

@@ -5,11 +5,12 @@ Where the body arrives decides how it gets to the device, never what the consume
 * **packed, received into device memory** (UCX with CuPy: the data connection's allocator hands UCX device
   buffers for body messages, and UCX's CUDA transports fill them): decoded where it lies;
 * **packed, received into host memory** (TCP, or no CUDA-capable transport): one upload of the whole body;
-* **pairs in device memory** (``memory=cuda``): zero-copy, a view over the server's mapped allocation from the
-  batch's first range to the end of its last, with the metadata's buffer offsets rewritten to point into that
-  view (the arena places a batch's buffers 64-byte aligned, not where its IPC body would have them); the
-  view's release frees the batch's ranges. Otherwise one device-to-device copy per range into a body laid out
-  as the metadata says, and the ranges are freed at once;
+* **pairs in device memory** (``memory=cuda``): zero-copy, a view over the server's mapped allocation; the
+  view's release frees the batch's ranges. A server places a device body whole, its buffers where the IPC
+  body has them, so the view is the body and the metadata holds as it is; ranges that lie otherwise get a
+  view from the batch's first range to the end of its last, with the metadata's buffer offsets rewritten to
+  point into it. Without zero-copy, one device-to-device copy of the whole body (one per range when they lie
+  otherwise) into a body of the client's own, and the ranges are freed at once;
 * **pairs in host memory** (``shm``, ``ucx``): the ranges are read on the host, gathered as the metadata lays
   them out, and uploaded once.
 
@@ -71,8 +72,8 @@ class DeviceLanding:
         self.decoder = DeviceDecoder(backend=self.backend)
         self.validate = validate
         self._mirror: MessageDecoder | None = None  # set with the schema, when contents need checking
-        #: metadata -> (the parsed message, its buffers' (offset, length) rows, their offsets)
-        self._parsed: dict[bytes, tuple[Any, Any, list[int]]] = {}
+        #: metadata -> (the parsed message, its buffers' (offset, length) rows, their offsets, their lengths)
+        self._parsed: dict[bytes, tuple[Any, Any, list[int], tuple[int, ...]]] = {}
         #: How the last body reached the device (one of :data:`WAYS`; empty: the message had none).
         self.way = ""
 
@@ -135,24 +136,28 @@ class DeviceLanding:
             if len(self._parsed) >= 64:
                 del self._parsed[next(iter(self._parsed))]
             spans = parsed.batch.buffers
-            known = self._parsed[meta] = (parsed, spans, [int(o) for o in spans[:, 0]])
-        parsed, spans, at = known
-        rows = pairs.pairs
-        if len(rows) != len(spans):
-            raise ProtocolError(f"the metadata lists {len(spans)} buffers, the pair list {len(rows)}")
-        lengths = rows[:, 1].astype(np.int64)
-        if bool((lengths != spans[:, 1]).any()):
-            k = int(np.flatnonzero(lengths != spans[:, 1])[0])
+            rows = spans.tolist()
+            known = self._parsed[meta] = (parsed, spans, [o for o, _ in rows], tuple(n for _, n in rows))
+        parsed, spans, at, sizes = known
+        flat = pairs.flat()
+        if len(flat) != 2 * len(at):
+            raise ProtocolError(f"the metadata lists {len(at)} buffers, the pair list {len(flat) // 2}")
+        lengths = flat[1::2]
+        if lengths != sizes:
+            k = next(i for i, (a, b) in enumerate(zip(lengths, sizes, strict=True)) if a != b)
             raise ProtocolError(
-                f"pair {k} lists {int(lengths[k])} bytes, the metadata says buffer {k} has {int(spans[k, 1])}"
+                f"pair {k} lists {lengths[k]} bytes, the metadata says buffer {k} has {sizes[k]}"
             )
         span = getattr(reader, "device_span", None)
         if span is not None and reader.zero_copy:
             self.way = CUDA_IPC_VIEW
+            whole = reader.device_body(pairs, at, parsed.body_length)  # type: ignore[attr-defined]
+            if whole is not None:  # placed as its IPC body is laid out: the metadata holds as it is
+                return self._land(meta, whole), []
             view, low, high = span(pairs)
             if view is None:  # every buffer is empty
                 return self._land(meta, self.backend.empty(parsed.body_length)), []
-            rewritten = _rewrite(parsed, rows, low, high - low)
+            rewritten = _rewrite(parsed, pairs.pairs, low, high - low)
             return self._land(rewritten, view), []
         gather = getattr(reader, "gather_into", None)
         if gather is not None:  # device memory: one device-to-device copy per range, straight into place

@@ -6,6 +6,11 @@ allocation per non-empty buffer, so each pair-list entry is freed on its own), a
 releases while the region is full (:meth:`FreeListArena.allocate_wait`, :meth:`FreeListArena.place_wait`):
 that is the server's backpressure.
 
+A message body can also be placed whole (a :class:`Body`): one allocation, one copy, and each buffer at its
+own offset in the body, so a client can take the batch as one range laid out exactly as its IPC body (a
+view, or one copy, with the metadata unchanged). Its pairs are still freed one by one: the allocation goes
+back when the last of them is released.
+
 What the region *is* -- host shared memory (:class:`~dissoc.memory.shm.ShmArena`) or one device allocation
 (:class:`~dissoc.memory.cuda_arena.DeviceArena`) -- is up to the subclass, which says how buffers are
 measured (:meth:`FreeListArena._measure`) and copied in (:meth:`FreeListArena._fill`), whether it is still
@@ -22,13 +27,14 @@ import bisect
 import contextlib
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from dissoc.buffers import ALIGNMENT, align_up
 from dissoc.errors import ResourceError
 
-__all__ = ["FreeListArena"]
+__all__ = ["Body", "FreeListArena"]
 
 _T = TypeVar("_T")
 
@@ -36,6 +42,22 @@ _T = TypeVar("_T")
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+@dataclass(frozen=True, slots=True)
+class Body:
+    """A message body to place whole: ``data`` (what the arena's :meth:`~FreeListArena.place` takes as one
+    buffer) holds the message's buffers at ``spans``, one (offset, length) per buffer as the metadata lists
+    them (a length of 0: an absent buffer)."""
+
+    data: Any
+    spans: Sequence[tuple[int, int]]
+
+    def members(self) -> list[int] | None:
+        """The offsets of the non-empty buffers, or None when two share an offset (then each buffer needs an
+        allocation of its own, as :meth:`FreeListArena.place` gives a list of buffers)."""
+        offsets = [int(o) for o, n in self.spans if n]
+        return offsets if len(set(offsets)) == len(offsets) else None
 
 
 class FreeListArena:
@@ -56,6 +78,9 @@ class FreeListArena:
         self._free: dict[int, int] = {0: capacity}
         self._free_starts: list[int] = [0]
         self._used = 0
+        # Bodies placed whole: each non-empty buffer's offset -> its allocation; allocation -> buffers held.
+        self._members: dict[int, int] = {}
+        self._group_left: dict[int, int] = {}
         # Tasks waiting for space: (their loop, a future to resolve when something is released).
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
 
@@ -125,6 +150,19 @@ class FreeListArena:
     def allocation_size(self, offset: int) -> int:
         """The (rounded) size of the allocation at ``offset``; KeyError if there is none."""
         return self._allocated[offset]
+
+    def placed_bytes(self, offsets: Iterable[int]) -> int:
+        """The (rounded) bytes of the allocations that the pairs at ``offsets`` lie in, each counted once (the
+        buffers of a body placed whole share one); 0 for an offset that is not allocated."""
+        total = 0
+        seen: set[int] = set()
+        with self._lock:
+            for offset in offsets:
+                base = self._members.get(offset, offset)
+                if base not in seen:
+                    seen.add(base)
+                    total += self._allocated.get(base, 0)
+        return total
 
     def _room(self) -> str:
         return f"{self.free_bytes} free of {self._capacity} (largest free block {self.largest_free_block})"
@@ -206,7 +244,7 @@ class FreeListArena:
         """Release several allocations (all or none); returns the bytes released. Safe from any thread."""
         offsets = list(offsets)
         with self._lock:
-            missing = [o for o in offsets if o not in self._allocated]
+            missing = [o for o in offsets if o not in self._allocated and o not in self._members]
             if missing or len(set(offsets)) != len(offsets):
                 raise ValueError(f"release: expected distinct allocated offsets, got {offsets!r}")
             total = sum(self._release_locked(o) for o in offsets)
@@ -214,6 +252,14 @@ class FreeListArena:
         return total
 
     def _release_locked(self, offset: int) -> int:
+        base = self._members.pop(offset, None)
+        if base is not None:  # a buffer of a body placed whole: its allocation goes with the last one
+            left = self._group_left[base] - 1
+            if left:
+                self._group_left[base] = left
+                return 0
+            del self._group_left[base]
+            offset = base
         size = self._allocated.pop(offset, None)
         if size is None:
             raise ValueError(f"release: expected an allocated offset, got {offset!r} (double release?)")
@@ -300,9 +346,16 @@ class FreeListArena:
             offsets.append(offset)
         return offsets
 
-    def _prepare(self, buffers: Sequence[Any]) -> tuple[list[Any], list[int]]:
+    def _prepare(self, buffers: Sequence[Any] | Body) -> tuple[list[Any], list[int]]:
         self._check_open()
-        sources, sizes = self._measure(buffers)
+        sources, sizes = self._measure([buffers.data] if isinstance(buffers, Body) else buffers)
+        if isinstance(buffers, Body):
+            for offset, n in buffers.spans:
+                if n and (offset < 0 or offset + n > sizes[0]):
+                    raise ValueError(
+                        f"place: expected spans inside the {sizes[0]}-byte body, got offset {offset} "
+                        f"length {n}"
+                    )
         total = sum(align_up(n, ALIGNMENT) for n in sizes)
         if total > self._capacity:
             raise ResourceError(
@@ -311,7 +364,9 @@ class FreeListArena:
             )
         return sources, sizes
 
-    def _placed(self, sources: list[Any], sizes: list[int], offsets: list[int]) -> list[tuple[int, int]]:
+    def _placed(
+        self, sources: list[Any], sizes: list[int], offsets: list[int], body: Body | None = None
+    ) -> list[tuple[int, int]]:
         """Fill the allocations (giving them back if that fails) and return the pair list."""
         try:
             self._fill(sources, sizes, offsets)
@@ -319,18 +374,47 @@ class FreeListArena:
             with contextlib.suppress(ValueError):
                 self.release_many(offsets)
             raise
+        if body is not None:
+            return self._grouped(body, offsets)
         it = iter(offsets)
         return [(next(it), n) if n else (0, 0) for n in sizes]
 
-    def place(self, buffers: Sequence[Any]) -> list[tuple[int, int]]:
+    def _grouped(self, body: Body, offsets: list[int]) -> list[tuple[int, int]]:
+        """The pairs of a body placed whole at ``offsets`` (its one allocation, or none for an empty body)."""
+        members = body.members()
+        if not offsets or not members:  # nothing to hold (every buffer empty)
+            with contextlib.suppress(ValueError):
+                self.release_many(offsets)
+            return [(0, 0)] * len(body.spans)
+        base = offsets[0]
+        with self._lock:
+            for m in members:
+                self._members[base + m] = base
+            self._group_left[base] = len(members)
+        return [(base + int(o), int(n)) if n else (0, 0) for o, n in body.spans]
+
+    def _unpack(self, buffers: Sequence[Any] | Body) -> tuple[Sequence[Any] | Body, Body | None]:
+        """What to measure and place, and the body to place whole (None: one allocation per buffer). A body
+        whose buffers share an offset is placed as one buffer per span."""
+        if not isinstance(buffers, Body):
+            return buffers, None
+        if buffers.members() is not None:
+            return buffers, buffers
+        data = buffers.data
+        return [data[o : o + n] if n else b"" for o, n in buffers.spans], None
+
+    def place(self, buffers: Sequence[Any] | Body) -> list[tuple[int, int]]:
         """Copy each buffer into the arena; returns one (offset, length) pair per buffer, in order.
 
         One allocation per non-empty buffer, at a 64-byte aligned offset, so each pair can be freed (and
         released with :meth:`release`) on its own; an empty buffer gives ``(0, 0)`` and allocates nothing.
-        All or nothing: raises :class:`~dissoc.errors.ResourceError`, having allocated nothing, if the buffers
-        do not all fit now (see :meth:`place_wait`).
+        A :class:`Body` is placed whole instead: one allocation and one copy, each pair at its buffer's offset
+        in the body (each still released on its own; the allocation goes with the last). All or nothing:
+        raises :class:`~dissoc.errors.ResourceError`, having allocated nothing, if the buffers do not all fit
+        now (see :meth:`place_wait`).
         """
-        sources, sizes = self._prepare(buffers)
+        what, body = self._unpack(buffers)
+        sources, sizes = self._prepare(what)
         with self._lock:
             offsets = self._take_many(sizes)
         if offsets is None:
@@ -338,16 +422,19 @@ class FreeListArena:
             raise ResourceError(
                 f"{self._label}: expected room for a batch of {total} bytes, got {self._room()}"
             )
-        return self._placed(sources, sizes, offsets)
+        return self._placed(sources, sizes, offsets, body)
 
-    async def place_wait(self, buffers: Sequence[Any], timeout: float | None = None) -> list[tuple[int, int]]:
+    async def place_wait(
+        self, buffers: Sequence[Any] | Body, timeout: float | None = None
+    ) -> list[tuple[int, int]]:
         """Like :meth:`place`, but waits for releases while the batch does not fit (backpressure).
 
         Never holds part of a batch while waiting, so concurrent waiters cannot deadlock each other.
         Raises :class:`~dissoc.errors.ResourceError` at once if the batch exceeds the capacity, after
         ``timeout`` seconds, or when the arena is closed meanwhile.
         """
-        sources, sizes = self._prepare(buffers)
+        what, body = self._unpack(buffers)
+        sources, sizes = self._prepare(what)
         total = sum(align_up(n, ALIGNMENT) for n in sizes)
         offsets = await self._until(lambda: self._take_many(sizes), timeout, f"a batch of {total} bytes")
-        return self._placed(sources, sizes, offsets)
+        return self._placed(sources, sizes, offsets, body)

@@ -30,7 +30,7 @@ import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -214,6 +214,8 @@ class _Leasing(PairReader):
         self.outstanding = 0
         self.idle = threading.Event()
         self.idle.set()
+        #: Called (in the releasing thread) once the last live batch was released, after ``on_release``.
+        self.on_idle: Callable[[], None] | None = None
 
     def _lease(self, lease: object, offsets: list[int]) -> None:
         """Count ``lease`` (refused once closed) and free ``offsets`` when it goes, exactly once."""
@@ -236,6 +238,11 @@ class _Leasing(PairReader):
             if last:
                 self.idle.set()
             unmap = last and self._closed
+        if last and self.on_idle is not None:
+            try:
+                self.on_idle()
+            except Exception:  # a finalizer must not raise
+                log.debug("telling the stream its last batch went failed", exc_info=True)
         if unmap:
             self._last_released()
 
@@ -415,19 +422,44 @@ class _CudaReader(_Leasing):
         # Kept mapped between streams (see dissoc.memory.mappings): mapping costs milliseconds.
         self._allocation: DeviceAllocation | None = MAPPINGS.acquire(self.backend, handle, self.length)
 
-    def _rows(self, pairs: PairList) -> tuple[DeviceAllocation, list[tuple[int, int]]]:
-        """The mapping and the pairs, every non-empty one checked against ``cuda_length``."""
-        rows: list[tuple[int, int]] = [(int(a), int(n)) for a, n in pairs.pairs.tolist()]
-        for offset, n in rows:
-            if n and (offset < 0 or offset + n > self.length):
+    def _checked(self, pairs: PairList) -> tuple[DeviceAllocation, tuple[int, ...]]:
+        """The mapping and the pairs flattened (:meth:`~dissoc.protocol.PairList.flat`), every non-empty one
+        checked against ``cuda_length``."""
+        flat = pairs.flat()
+        length = self.length
+        for i in range(0, len(flat), 2):
+            offset, n = flat[i], flat[i + 1]
+            if n and (offset < 0 or offset + n > length):
                 raise ProtocolError(
-                    f"pairs: expected ranges inside the {self.length}-byte device allocation, "
+                    f"pairs: expected ranges inside the {length}-byte device allocation, "
                     f"got offset {offset} length {n}"
                 )
         allocation = self._allocation
         if self._closed or allocation is None:
             raise ResourceError("device pair reader: expected an open reader, got a closed one")
-        return allocation, rows
+        return allocation, flat
+
+    def _rows(self, pairs: PairList) -> tuple[DeviceAllocation, list[tuple[int, int]]]:
+        """The mapping and the pairs, every non-empty one checked against ``cuda_length``."""
+        allocation, flat = self._checked(pairs)
+        return allocation, list(zip(flat[::2], flat[1::2], strict=True))
+
+    def _in_place(self, flat: tuple[int, ...], at: Sequence[int], body_length: int) -> int | None:
+        """Where the batch's body starts in the mapping when its ranges (``flat``, checked) lie exactly as the
+        IPC body lays out its buffers (``at``: each buffer's offset in the body, as the metadata says), as a
+        server places a device body whole (:class:`~dissoc.memory.arena.Body`); else None (also when every
+        range is empty)."""
+        base: int | None = None
+        for i, dest in enumerate(at):
+            if flat[2 * i + 1]:
+                delta = flat[2 * i] - dest
+                if base is None:
+                    base = delta
+                elif delta != base:
+                    return None
+        if base is None or base < 0 or base + body_length > self.length:
+            return None
+        return base
 
     def read(self, pairs: PairList) -> tuple[list[pa.Buffer | None], list[int]]:
         allocation, rows = self._rows(pairs)
@@ -474,16 +506,41 @@ class _CudaReader(_Leasing):
         backend.synchronize()  # the copies must be done before the server may reuse the ranges
         return out, offsets
 
-    def gather_into(self, pairs: PairList, body: Any, at: list[int]) -> list[int]:
-        """Copy each range device-to-device into ``body`` at the offsets ``at`` (one per pair: where the IPC
-        body has that buffer); waits for the copies and returns the offsets, all free now."""
-        allocation, rows = self._rows(pairs)
+    def gather_into(self, pairs: PairList, body: Any, at: Sequence[int]) -> list[int]:
+        """Copy the batch device-to-device into ``body``, laid out as its IPC body (``at``: each buffer's
+        offset in it, one per pair): one copy of the whole body when the ranges lie that way in the mapping,
+        else one per range; waits for the copies and returns the offsets, all free now."""
+        allocation, flat = self._checked(pairs)
+        if len(at) * 2 != len(flat):
+            raise ProtocolError(f"pairs: expected {len(at)} pairs, got {len(flat) // 2}")
         backend = self.backend
-        for (offset, n), dest in zip(rows, at, strict=True):
-            if n:
-                backend.copy(body[dest : dest + n], backend.view(allocation, offset, n))
+        offsets = [flat[i] for i in range(0, len(flat), 2) if flat[i + 1]]
+        size = int(body.nbytes)
+        base = self._in_place(flat, at, size)
+        if base is not None:
+            backend.copy(body, backend.view(allocation, base, size))
+        else:
+            for i, dest in enumerate(at):
+                offset, n = flat[2 * i], flat[2 * i + 1]
+                if n:
+                    backend.copy(body[dest : dest + n], backend.view(allocation, offset, n))
         backend.synchronize()
-        return [offset for offset, n in rows if n]
+        return offsets
+
+    def device_body(self, pairs: PairList, at: Sequence[int], body_length: int) -> Any | None:
+        """Zero-copy device landing of a batch whose ranges lie as its IPC body lays out its buffers (``at``:
+        each buffer's offset in the body): one view of ``body_length`` bytes over the mapping, in which the
+        metadata's offsets hold as they are; the ranges are freed (``on_release``) when the last view over it
+        is released. None when the ranges lie otherwise (see :meth:`device_span`) or are all empty."""
+        allocation, flat = self._checked(pairs)
+        if len(at) * 2 != len(flat):
+            return None
+        base = self._in_place(flat, at, body_length)
+        if base is None:
+            return None
+        lease = _DeviceLease(allocation)
+        self._lease(lease, [flat[i] for i in range(0, len(flat), 2) if flat[i + 1]])
+        return self.backend.view(allocation, base, body_length, owner=lease)
 
     def device_span(self, pairs: PairList) -> tuple[Any | None, int, int]:
         """Zero-copy device landing of a whole batch: one view over the mapping from the batch's first range

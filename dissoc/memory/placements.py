@@ -42,6 +42,7 @@ from typing import Any
 
 from dissoc.buffers import ALIGNMENT
 from dissoc.errors import DissocError, ResourceError, TransportError
+from dissoc.memory.arena import Body
 
 __all__ = ["Placements", "Scope"]
 
@@ -210,7 +211,7 @@ class Placements:
         client: Hashable,
         scope: Scope | None,
         index: int,
-        buffers: Callable[[], Sequence[Any]],
+        buffers: Callable[[], Sequence[Any] | Body],
         *,
         gone: Callable[[], bool],
         what: str = "client",
@@ -227,7 +228,9 @@ class Placements:
         placed = await self.place(buffers(), gone=gone, what=what)
         return self.insert(client, scope, index, placed)
 
-    async def place(self, buffers: Sequence[Any], *, gone: Callable[[], bool], what: str = "client") -> Pairs:
+    async def place(
+        self, buffers: Sequence[Any] | Body, *, gone: Callable[[], bool], what: str = "client"
+    ) -> Pairs:
         """Place a batch in the arena: at once if it fits, evicting resident placements nobody holds (oldest
         first) if that makes it fit, else waiting for frees, but not past the client's departure (``gone()``
         turns true: a client that holds its batches and leaves, or a server closing, must not leave this task
@@ -293,7 +296,10 @@ class Placements:
         """
         placed = [(int(o), int(n)) for o, n in pairs]
         offsets = [o for o, n in placed if n]
-        nbytes = sum(_rounded(n) for _, n in placed if n)
+        placed_bytes = getattr(self.arena, "placed_bytes", None)
+        nbytes = (
+            placed_bytes(offsets) if placed_bytes is not None else sum(_rounded(n) for _, n in placed if n)
+        )
         with self._lock:
             self.placed += 1
             if scope is None or scope.retired or self._closed or not offsets:
@@ -397,7 +403,7 @@ class Placements:
 
     # -- making room ----------------------------------------------------------------------------------------
 
-    def place_now(self, buffers: Sequence[Any]) -> Pairs | None:
+    def place_now(self, buffers: Sequence[Any] | Body) -> Pairs | None:
         """Place ``buffers`` in the arena now, evicting unreferenced placements (oldest first) while they do
         not fit; ``None`` if they still do not fit with nothing left to evict (then wait for room, with
         :meth:`waiting`, e.g. by the arena's ``place_wait``).

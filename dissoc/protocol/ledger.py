@@ -127,8 +127,10 @@ class Ledger:
         for item in rows:
             if len(item) != 2:
                 raise ValueError(f"ledger: expected (offset, length) pairs, got {item!r}")
-            offset = _as_u64(item[0], "ledger offset")
-            length = _as_u64(item[1], "ledger length")
+            offset, length = item
+            if not (type(offset) is int and type(length) is int and 0 <= offset <= _U64_MAX >= length >= 0):
+                offset = _as_u64(offset, "ledger offset")
+                length = _as_u64(length, "ledger length")
             if length == 0:
                 continue
             if offset in new or offset in mine:

@@ -11,9 +11,10 @@ checking the sizes, so a hostile count can never make the decoder allocate.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
@@ -71,6 +72,14 @@ class PairList:
 
     total: int
     pairs: U64Array
+    #: The pairs flattened (address, length, address, length, ...) as Python ints, where decoding had them.
+    flat_values: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
+
+    def flat(self) -> tuple[int, ...]:
+        """The pairs flattened (address, length, address, length, ...) as Python ints: for the short lists
+        of the per-message path, where a loop over ints beats numpy's per-call cost."""
+        values = self.flat_values
+        return values if values is not None else tuple(self.pairs.reshape(-1).tolist())
 
     @property
     def count(self) -> int:
@@ -132,6 +141,13 @@ def encode_pairs(pairs: Sequence[tuple[int, int]] | npt.NDArray[np.integer]) -> 
         if arr.size == 0:
             arr = arr.reshape(0, 2)
     else:
+        if type(pairs) is list and all(type(p) is tuple and len(p) == 2 for p in pairs):
+            flat = [v for p in pairs for v in p]
+            if all(type(v) is int for v in flat):  # the server's own lists: packed directly
+                total = sum(flat[1::2])
+                if total <= U64_MAX:
+                    with contextlib.suppress(struct.error):  # (a value outside u64: checked below)
+                        return _HEADER.pack(total, len(pairs)) + struct.pack(f"<{len(flat)}Q", *flat)
         items: list[tuple[int, int]] = []
         for item in pairs:
             if not isinstance(item, tuple | list) or len(item) != 2:
@@ -168,13 +184,30 @@ def decode_pairs(buf: BytesLike) -> PairList:
     pairs: U64Array = np.frombuffer(mv, dtype=_U64_LE, count=2 * count, offset=PAIRS_HEADER_SIZE).reshape(
         count, 2
     )
-    actual = _exact_sum(pairs[:, 1])
+    flat: tuple[int, ...] | None = None
+    if count <= _SHORT:  # the per-message path: Python ints are cheaper than numpy calls on a few values
+        flat = _short(count).unpack_from(mv, PAIRS_HEADER_SIZE)
+        actual = sum(flat[1::2])
+    else:
+        actual = _exact_sum(pairs[:, 1])
     if actual != total:
         raise ProtocolError(
             f"pair list: expected the declared total {total} to equal the sum of the {count} lengths, "
             f"got {actual}"
         )
-    return PairList(total, pairs)
+    return PairList(total, pairs, flat)
+
+
+#: Pair lists up to this many pairs are also decoded into Python ints (:meth:`PairList.flat`).
+_SHORT: Final = 32
+_SHORT_STRUCTS: dict[int, struct.Struct] = {}
+
+
+def _short(count: int) -> struct.Struct:
+    s = _SHORT_STRUCTS.get(count)
+    if s is None:
+        s = _SHORT_STRUCTS[count] = struct.Struct(f"<{2 * count}Q")
+    return s
 
 
 def encode_free(addresses: Iterable[int] | npt.NDArray[np.integer]) -> bytes:
@@ -185,6 +218,9 @@ def encode_free(addresses: Iterable[int] | npt.NDArray[np.integer]) -> bytes:
     if isinstance(addresses, np.ndarray):
         arr = _int_array_to_u64(addresses, "free_data").reshape(-1)
     else:
+        if type(addresses) is list and addresses and all(type(a) is int for a in addresses):
+            with contextlib.suppress(struct.error):  # (a value outside u64: named below)
+                return struct.pack(f"<{len(addresses)}Q", *addresses)  # the client's own list of ints
         arr = np.array([_check_u64(a, "free_data") for a in addresses], dtype=_U64_LE)
     if arr.size == 0:
         raise ValueError("free_data: expected at least one address, got none")

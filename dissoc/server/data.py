@@ -35,6 +35,7 @@ from dissoc.datasets import Catalog, Dataset, IpcStreamDataset
 from dissoc.datasets.messages import device_bodies, same_every_time
 from dissoc.errors import DissocError, ResourceError, TransportError
 from dissoc.logs import RateLimitedLog
+from dissoc.memory.arena import Body
 from dissoc.memory.pairs import ServedArena
 from dissoc.memory.placements import Placements, Scope
 from dissoc.memory.private import PrivateArenas
@@ -173,7 +174,31 @@ class DataPart(StreamPart):
             tally.batches += 1
             tally.bytes += nbytes
             return None
+        if self._scope is not None and self._private is None and self._listed_resident(out, sent, body):
+            return None
         return self._send_pairs(out, sent, metadata, body)
+
+    def _listed_resident(self, out: Outbox, sent: ServerMessage, body: list[Any]) -> bool:
+        """The per-message path of pair lists: a batch already resident in the shared arena, listed to a
+        client whose quota has room, is queued behind its metadata with no wait; False when it needs more
+        (placing, waiting for room or for frees: :meth:`_send_pairs`)."""
+        conn, ledger, placements = self._conn, self._ledger, self._placements
+        assert ledger is not None and placements is not None
+        nbytes = int(body[0].nbytes) if self._device else _host_nbytes(body)
+        if not ledger.fits_quota(conn, nbytes, self._quota) and ledger.live_bytes_of(conn):
+            return False
+        pairs = placements.lookup(conn, self._scope, sent.seq)
+        if pairs is None:
+            return False
+        live = ledger.live_bytes_of(conn)
+        ledger.record(conn, pairs)
+        self._listed += ledger.live_bytes_of(conn) - live
+        listing = encode_pairs(pairs)
+        out.add(make_body_tag(sent.seq, BODY_PAIRS), listing, len(listing))
+        tally = self._tally
+        tally.batches += 1
+        tally.bytes += nbytes
+        return True
 
     async def _send_pairs(self, out: Outbox, sent: ServerMessage, metadata: Any, body: list[Any]) -> None:
         """Body type 1: the buffers go into the arena (once, for a resident placement), the client gets where
@@ -432,12 +457,15 @@ def _device_for_connection(body: Any, conn: Connection) -> Any:
     return backend.download(body)
 
 
-def _buffers_for_arena(metadata: Any, body: list[Any], device: bool, placements: Placements) -> list[Any]:
-    """The message's buffers to place: slices of a device body for a device arena (copied device to
-    device), else host buffers (a device body is copied to the host first)."""
+def _buffers_for_arena(
+    metadata: Any, body: list[Any], device: bool, placements: Placements
+) -> list[Any] | Body:
+    """The message's buffers to place: a device body placed whole in a device arena (one device-to-device
+    copy, its buffers where the IPC body has them, so that a client can view or copy it as one range with the
+    metadata as it is), else host buffers (a device body is copied to the host first)."""
     if device:
         if placements.arena.is_device:
-            return [body[0][o : o + n] if n else b"" for o, n in _spans(metadata)]
+            return Body(body[0], _spans(metadata))
         from dissoc.memory.cuda import get_backend
 
         body = [pa.py_buffer(get_backend().download(body[0]))]

@@ -73,6 +73,7 @@ class Decoding:
         *,
         on_release: Callable[[list[int]], None],
         to_free: list[int],
+        on_idle: Callable[[], None] | None = None,
     ) -> None:
         self.options = options
         self.data_uri = data_uri
@@ -91,6 +92,7 @@ class Decoding:
         self._ways = {""}  # the device landing ways seen (and none: a message without a body)
         self.to_free = to_free
         self._on_release = on_release
+        self._on_idle = on_idle
         self.device: DeviceLanding | None = None
         if options.landing == "device":
             from dissoc.device.landing import DeviceLanding
@@ -103,10 +105,18 @@ class Decoding:
         self.pairs: PairReader | None = None
         self._arena: _ArenaKey | None = None
         if data_uri.memory is not None and data_uri.params.get("arena") != "private":
-            self.pairs = open_pair_reader(
-                data_uri, zero_copy=options.zero_copy, on_release=on_release, timeout=options.timeout
+            self.pairs = self._watched(
+                open_pair_reader(
+                    data_uri, zero_copy=options.zero_copy, on_release=on_release, timeout=options.timeout
+                )
             )
             self._arena = _arena_key(data_uri)
+
+    def _watched(self, reader: PairReader) -> PairReader:
+        """``reader``, telling ``on_idle`` when its last zero-copy batch is released (readers that lease)."""
+        if self._on_idle is not None and hasattr(reader, "on_idle"):
+            reader.on_idle = self._on_idle
+        return reader
 
     def began(self, transport: str, lanes: tuple[str, ...]) -> None:
         """The stream began: the metadata connection's scheme and the data connection's lanes (UCX's
@@ -225,11 +235,13 @@ class Decoding:
                     "arena announcement: the data server named a second arena on one connection"
                 )
             return
-        self.pairs = open_pair_reader(
-            announced,
-            zero_copy=self.options.zero_copy,
-            on_release=self._on_release,
-            timeout=self.options.timeout,
+        self.pairs = self._watched(
+            open_pair_reader(
+                announced,
+                zero_copy=self.options.zero_copy,
+                on_release=self._on_release,
+                timeout=self.options.timeout,
+            )
         )
         self._arena = key
 

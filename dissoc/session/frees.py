@@ -58,14 +58,45 @@ class Frees:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._scheduled = False
         self._nudge: asyncio.Future[bool] | None = None  # a lingering session waits on it (see linger)
+        # Releases from other threads gather here; one loop callback takes each gathering (not one a batch).
+        self._inbox: list[int] = []
+        self._inbox_lock = threading.Lock()
+        self._posted = False
 
     def released(self, offsets: list[int]) -> None:
         """A zero-copy batch was released (in any thread): free its ranges from the event loop."""
+        self._post(offsets)
+
+    def drained(self) -> None:
+        """The reader's last live zero-copy batch was released (in any thread; its ranges were handed over
+        first): wakes a lingering session, so that it ends (and its connections go back to the pool) at
+        once."""
+        self._post([])
+
+    def _post(self, offsets: list[int]) -> None:
         loop = self.loop
         if loop is None or loop.is_closed():
             return
+        with self._inbox_lock:
+            self._inbox.extend(offsets)
+            if self._posted:
+                return  # the callback already on its way takes these too
+            self._posted = True
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
         with contextlib.suppress(RuntimeError):  # the loop stopped meanwhile
-            loop.call_soon_threadsafe(self._later, offsets)
+            if running is loop:
+                loop.call_soon(self._take_inbox)  # (the loop's own thread: no wake-up needed)
+            else:
+                loop.call_soon_threadsafe(self._take_inbox)
+
+    def _take_inbox(self) -> None:
+        with self._inbox_lock:
+            offsets, self._inbox = self._inbox, []
+            self._posted = False
+        self._later(offsets)
 
     def _later(self, offsets: list[int]) -> None:
         self.pending.extend(offsets)
@@ -94,13 +125,21 @@ class Frees:
                 return
             CLIENT.free_data.inc(self.data_uri.scheme)
 
+    def _settled(self, idle: threading.Event) -> bool:
+        """Whether the last batch was released and every range handed over is in :attr:`pending` (a reader
+        hands a batch's ranges over before it counts the batch gone)."""
+        if not idle.is_set():
+            return False
+        with self._inbox_lock:
+            return not self._posted
+
     async def linger(self, idle: threading.Event) -> None:
-        """Flush as zero-copy batches are released, until the last one is (``idle``): woken by each release
-        (the connection goes back to the pool as soon as the last batch is gone), and every 50 ms anyway
-        (the releasing thread marks the reader idle just after it hands over the ranges)."""
+        """Flush as zero-copy batches are released, until the last one is (``idle``) and its ranges are in:
+        woken by each release and by the last (:meth:`drained`: the connection goes back to the pool as soon
+        as the last batch is gone), and every 50 ms anyway."""
         loop = asyncio.get_running_loop()
         wait = 0.001
-        while not idle.is_set():
+        while not self._settled(idle):
             # (not asyncio.wait_for: in Python 3.11 it can swallow a cancellation that meets a release)
             nudge = self._nudge = loop.create_future()
             timer = loop.call_later(wait, _expire, nudge)

@@ -106,20 +106,40 @@ class ThreadRunner:
 
 
 class SharedRunner(ThreadRunner):
-    """One process-wide loop thread for zero-copy sessions, which must outlive the calls that started them."""
+    """One process-wide loop thread for zero-copy sessions, which must outlive the calls that started them.
+
+    Its loop is dissoc's own, so it pools connections as the main thread's loop does: a zero-copy session's
+    connection goes back to the pool once its last batch is released, and the next call takes it."""
 
     _instance: SharedRunner | None = None
     _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        super().__init__()
+        own(self._loop)
 
     @classmethod
     def get(cls) -> SharedRunner:
         with cls._lock:
             if cls._instance is None:
                 cls._instance = cls()
+                atexit.register(cls._instance.close_idle)
             return cls._instance
+
+    @classmethod
+    def existing(cls) -> SharedRunner | None:
+        return cls._instance
 
     def close(self) -> None:
         """Never stopped by a reader: other sessions may still be using it."""
+
+    def close_idle(self) -> None:
+        """Close the idle connections of this loop's pool (waits at most 10 s)."""
+        loop = self._loop
+        if loop.is_closed() or not self._thread.is_alive():
+            return
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(pool_of(loop).aclose(), loop).result(timeout=10)
 
 
 def run(coro_factory: Callable[[], Any]) -> Any:
@@ -154,3 +174,6 @@ def close_idle_main() -> None:
     runner = _main if threading.current_thread() is threading.main_thread() else None
     if runner is not None:
         runner.close_idle()
+    shared = SharedRunner.existing()
+    if shared is not None:
+        shared.close_idle()

@@ -95,7 +95,11 @@ class Session:
         self.options = options
         self.frees = Frees(data_uri, [])
         self.decoding = Decoding(
-            options, data_uri, on_release=self.frees.released, to_free=self.frees.pending
+            options,
+            data_uri,
+            on_release=self.frees.released,
+            to_free=self.frees.pending,
+            on_idle=self.frees.drained,
         )
         decoder = self.decoding.decoder
         ordered = options.ordered_metadata

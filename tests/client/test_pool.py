@@ -5,6 +5,7 @@ is never used, and one that fails before the stream begins is replaced once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -18,9 +19,13 @@ from dissoc.client import (
     ClientOptions,
     close_idle_connections,
     close_idle_connections_sync,
+    fetch_device,
     open_stream,
     stream_batches,
 )
+from dissoc.device import DeviceBatch
+from dissoc.memory.cuda import FakeDeviceBackend, use_backend
+from dissoc.metrics import SERVER
 from dissoc.session import pool as connection_pool
 from dissoc.session.pool import ConnectionPool
 
@@ -49,6 +54,32 @@ def test_the_next_stream_reuses_the_connections(split: bool) -> None:
         second = dissoc.fetch(srv.uri, "t", data_uri=srv.data_uri)
         assert listener_connections(srv.server) == (2 if split else 1), "the later streams connected anew"
     assert first.equals(TABLE) and streamed.equals(TABLE) and second.equals(TABLE)
+
+
+@pytest.mark.parametrize("landing", ["host", "device"])
+def test_zero_copy_streams_hand_their_connection_to_the_next(landing: str) -> None:
+    # A zero-copy stream keeps its connection until its last batch is released; then the next stream of the
+    # synchronous API takes it instead of connecting anew (host batches over shm, device batches over the
+    # fake device's CUDA IPC).
+    memory = "shm" if landing == "host" else "cuda"
+    options = ClientOptions(zero_copy=True, timeout=20)
+    with contextlib.ExitStack() as stack:
+        if landing == "device":
+            stack.enter_context(use_backend(FakeDeviceBackend()))
+        srv = stack.enter_context(ServerThread({"t": TABLE}, body="pairs", memory=memory))
+        before = SERVER.connections.total()
+        for _ in range(4):
+            if landing == "host":
+                got: Any = dissoc.fetch(srv.uri, "t", options=options)
+                assert got.equals(TABLE)
+            else:
+                got = fetch_device(srv.uri, "t", options=options)
+                assert DeviceBatch.to_table(got).equals(TABLE)
+            del got  # released: the ranges are freed and the connection goes back to the pool
+        assert SERVER.connections.total() - before == 1, "a zero-copy stream's successor connected anew"
+        close_idle_connections_sync()
+        assert _eventually(lambda: listener_connections(srv.server) == 0)
+        assert _eventually(lambda: srv.server.placements.held_bytes == 0)
 
 
 def test_without_reuse_every_stream_closes_its_connection() -> None:

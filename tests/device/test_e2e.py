@@ -764,10 +764,12 @@ async def test_a_device_dataset_is_placed_once_for_every_client(
         fake.reset()
         first = await fetch_device_async(st.uri, TICKET, options=ClientOptions(timeout=20))
         assert DeviceBatch.to_table(first).equals(expected)
-        # placed once: device-to-device into a cuda arena, through the host into a shm one
-        assert fake.calls("server") == ({"copy": ranges} if memory == "cuda" else {"download": bodies})
+        # placed once: each body whole (one copy and one allocation) device-to-device into a cuda arena,
+        # through the host into a shm one (an allocation per buffer)
+        assert fake.calls("server") == ({"copy": bodies} if memory == "cuda" else {"download": bodies})
         placed, allocations = srv.placements.placed, srv.arena.allocations
-        assert placed == bodies and allocations == ranges and srv.placements.hits == 0
+        assert placed == bodies and srv.placements.hits == 0
+        assert allocations == (bodies if memory == "cuda" else ranges)
         fake.reset()
         # two more clients, landing elsewhere: listed from the resident placements, nothing copied again
         second = await fetch_async(st.uri, TICKET, options=ClientOptions(timeout=20))
@@ -854,7 +856,7 @@ def test_a_device_server_in_another_process(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _, ranges = _stream_cost(expected)
+    bodies, ranges = _stream_cost(expected)
     monkeypatch.setenv(ENV_VAR, "fake")  # for the subprocesses; this one uses `fake`
     args = ["--device", "--body", "pairs", "--memory", "cuda", str(stream_file)]
     before = _fake_segments()
@@ -878,12 +880,13 @@ def test_a_device_server_in_another_process(
             assert all(_mapping_of(m.body).name == segment for b in zc for m in b.messages)
             assert all(_segment_at(m.body.data_ptr, m.body.nbytes) == segment for b in zc for m in b.messages)
             assert DeviceBatch.to_table(zc).equals(expected)
-            # device landing by copy (device-to-device, one copy per buffer), and host landing
+            # device landing by copy (device-to-device: the server placed each body whole, so one copy per
+            # body), and host landing
             fake.reset()
             copied = fetch_device(
                 uri, "dicts", data_uri=data_uri, options=ClientOptions(timeout=20, validate=False)
             )
-            assert fake.calls() == {"copy": ranges}  # the mapping the first stream made is kept
+            assert fake.calls() == {"copy": bodies}  # the mapping the first stream made is kept
             assert all(_mapping_of(m.body) is None for b in copied for m in b.messages)
             assert DeviceBatch.to_table(copied).equals(expected)
             fake.reset()
@@ -1316,7 +1319,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 def test_gpu_cuda_ipc_pairs_from_a_cli_server(
     cupy_counting: CountingCupy, stream_file: Path, expected: pa.Table
 ) -> None:
-    _, ranges = _stream_cost(expected)
+    bodies, ranges = _stream_cost(expected)
     args = ["--device", "--body", "pairs", "--memory", "cuda", str(stream_file)]
     with _gpu_cli_server(*args) as (proc, line):
         uri, data_uri, ticket = line["uri"], line["data_uri"], line["ticket"]
@@ -1338,7 +1341,7 @@ def test_gpu_cuda_ipc_pairs_from_a_cli_server(
             copied = fetch_device(
                 uri, ticket, data_uri=data_uri, options=ClientOptions(timeout=30, validate=False)
             )
-            assert cupy_counting.calls() == {"copy": ranges}  # device-to-device
+            assert cupy_counting.calls() == {"copy": bodies}  # device-to-device, each body whole
             _assert_cupy_batches(copied, expected)
             assert DeviceBatch.to_table(copied).equals(expected)
             cupy_counting.reset()

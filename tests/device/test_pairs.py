@@ -27,6 +27,7 @@ from dissoc.data_server import DataServer
 from dissoc.datasets import Catalog
 from dissoc.errors import DissocError, ProtocolError, ResourceError
 from dissoc.memory import cuda as device_mod
+from dissoc.memory.arena import Body
 from dissoc.memory.cuda import (
     ENV_VAR,
     FAKE_HANDLE_MAGIC,
@@ -168,6 +169,130 @@ def test_arena_place_all_or_nothing(fake: FakeDeviceBackend) -> None:
         pairs = arena.place([b"a" * 300, b"", b"b" * 300])
         assert pairs == [(0, 300), (0, 0), (320, 300)]
         assert arena.used_bytes == 640
+
+
+def _body(fake: FakeDeviceBackend, n: int, seed: int = 7) -> tuple[Any, bytes]:
+    data = _payload(seed, n)
+    return fake.upload(data), data
+
+
+def test_arena_places_a_body_whole_and_frees_it_with_its_last_pair(fake: FakeDeviceBackend) -> None:
+    body, data = _body(fake, 200)
+    spans = [(0, 100), (0, 0), (104, 50), (160, 40)]
+    with DeviceArena.create(4096) as arena:
+        held = arena.allocate(64)
+        pairs = arena.place(Body(body, spans))
+        base = pairs[0][0]
+        assert base % 64 == 0 and base != held
+        # one allocation, one copy; each buffer where the body has it
+        assert pairs == [(base, 100), (0, 0), (base + 104, 50), (base + 160, 40)]
+        assert arena.allocations == 2 and arena.used_bytes == 64 + 256
+        assert _down(fake, arena.view(base, 200)) == data
+        assert arena.placed_bytes([base, base + 104, base + 160]) == 256
+        assert arena.placed_bytes([base + 104]) == 256 and arena.placed_bytes([held, base]) == 64 + 256
+        # each pair is released on its own; the allocation goes with the last
+        assert arena.release(base + 104) == 0 and arena.used_bytes == 64 + 256
+        with pytest.raises(ValueError, match="double release"):
+            arena.release(base + 104)
+        with pytest.raises(ValueError, match="distinct"):
+            arena.release_many([base, base])
+        assert arena.used_bytes == 64 + 256  # a refused release_many releases nothing
+        assert arena.release_many([base, base + 160]) == 256
+        assert arena.allocations == 1 and arena.used_bytes == 64
+        with pytest.raises(ValueError, match="double release"):
+            arena.release(base)
+        # the room is reused
+        again = arena.place(Body(body, spans))
+        assert again[0][0] == base
+
+
+def test_arena_body_placement_edge_cases(fake: FakeDeviceBackend) -> None:
+    body, data = _body(fake, 128)
+    with DeviceArena.create(4096) as arena:
+        # two buffers at one offset cannot be freed apart: one allocation per buffer instead
+        shared = arena.place(Body(body, [(0, 64), (0, 64)]))
+        assert shared[0][0] != shared[1][0] and arena.allocations == 2
+        assert [_down(fake, arena.view(o, n)) for o, n in shared] == [data[:64], data[:64]]
+        arena.release_many([o for o, _ in shared])
+        # nothing to hold
+        assert arena.place(Body(body, [(0, 0), (64, 0)])) == [(0, 0), (0, 0)]
+        assert arena.allocations == 0 and arena.used_bytes == 0
+        # a span outside the body
+        with pytest.raises(ValueError, match="inside the 128-byte body"):
+            arena.place(Body(body, [(0, 64), (100, 29)]))
+        assert arena.allocations == 0
+        # too large for the arena, at once; not now, all or nothing
+        big, _ = _body(fake, 8192)
+        with pytest.raises(ResourceError, match="at most"):
+            arena.place(Body(big, [(0, 8192)]))
+        held = arena.allocate(4096 - 64)
+        with pytest.raises(ResourceError, match="room"):
+            arena.place(Body(body, [(0, 64), (64, 64)]))
+        assert arena.allocations == 1
+        arena.release(held)
+
+
+async def test_arena_body_waits_for_room(fake: FakeDeviceBackend) -> None:
+    body, data = _body(fake, 1024)
+    with DeviceArena.create(2048) as arena:
+        first = await arena.place_wait(Body(body, [(0, 512), (512, 512)]))
+        second = await arena.place_wait(Body(body, [(0, 1024)]))
+        waiting = asyncio.ensure_future(arena.place_wait(Body(body, [(0, 1000), (1000, 24)]), timeout=5))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        arena.release(first[0][0])
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # half of the first body is still held
+        arena.release(first[1][0])
+        third = await waiting
+        assert third[0][0] == first[0][0] and _down(fake, arena.view(third[0][0], 1024)) == data
+        arena.release_many([second[0][0], third[0][0], third[1][0]])
+        assert arena.used_bytes == 0
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zc"])
+def test_cuda_reader_takes_a_body_placed_whole_as_one_range(zero_copy: bool) -> None:
+    backend = _Counting()
+    released: list[list[int]] = []
+    with use_backend(backend), DeviceArena.create(8192) as arena:
+        data = _payload(3, 400)
+        spans = [(0, 100), (0, 0), (104, 200), (304, 96)]
+        at = [o for o, _ in spans]
+        placed = arena.place(Body(backend.upload(data), spans))
+        apart = arena.place([data[o : o + n] if n else b"" for o, n in spans])  # a buffer per allocation
+        reader = open_pair_reader(
+            _cuda_uri(arena.handle, 8192), zero_copy=zero_copy, on_release=released.append, timeout=1
+        )
+        try:
+            backend.calls.clear()
+            if zero_copy:
+                view = reader.device_body(_pairs(placed), at, 400)  # type: ignore[attr-defined]
+                assert backend.calls == {"view": 1}  # one view over the mapping, nothing copied
+                assert _down(backend, view) == data
+                assert reader.device_body(_pairs(apart), at, 400) is None  # type: ignore[attr-defined]
+                assert reader.device_body(_pairs([(0, 0)] * 4), at, 400) is None  # type: ignore[attr-defined]
+                # near the end of the mapping: the body would not fit in it
+                near = _cuda_uri(arena.handle, placed[0][0] + 399)
+                short = open_pair_reader(near, zero_copy=True, on_release=released.append, timeout=1)
+                with pytest.raises(ProtocolError, match="inside"):
+                    short.device_body(_pairs(placed), at, 400)  # type: ignore[attr-defined]
+                short.close()
+                del view
+                gc.collect()
+                assert released == [[placed[0][0], placed[2][0], placed[3][0]]]
+            else:
+                one, many = backend.empty(400), backend.empty(400)
+                done = reader.gather_into(_pairs(placed), one, at)  # type: ignore[attr-defined]
+                assert backend.calls.get("copy") == 1 and _down(backend, one) == data
+                assert done == [placed[0][0], placed[2][0], placed[3][0]]
+                backend.calls.clear()
+                reader.gather_into(_pairs(apart), many, at)  # type: ignore[attr-defined]
+                assert backend.calls.get("copy") == 3
+                assert [_down(backend, many)[o : o + n] for o, n in spans] == [
+                    data[o : o + n] for o, n in spans
+                ]
+        finally:
+            reader.close()
 
 
 def test_arena_place_host_and_device_sources(fake: FakeDeviceBackend) -> None:

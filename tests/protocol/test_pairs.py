@@ -46,6 +46,7 @@ def test_round_trip_from_tuples(pairs: list[tuple[int, int]]) -> None:
     assert pl.to_list() == pairs
     assert pl.addresses.tolist() == [a for a, _ in pairs]
     assert pl.lengths.tolist() == [n for _, n in pairs]
+    assert pl.flat() == tuple(v for pair in pairs for v in pair)
 
 
 @given(pair_lists)
@@ -89,6 +90,16 @@ def test_encode_rejects_total_overflow() -> None:
         encode_pairs([(0, U64_MAX), (0, 1)])
     # the largest total that fits is fine
     assert decode_pairs(encode_pairs([(0, U64_MAX - 1), (0, 1)])).total == U64_MAX
+
+
+@pytest.mark.parametrize("count", [0, 1, 31, 32, 33, 200])
+def test_flat_values_at_every_length(count: int) -> None:
+    # short lists are also decoded into Python ints for the per-message path; long ones come from numpy
+    pairs = [(U64_MAX - i, i * 3) for i in range(count)]
+    pl = decode_pairs(encode_pairs(pairs))
+    assert pl.flat() == tuple(v for pair in pairs for v in pair)
+    assert all(type(v) is int for v in pl.flat())
+    assert pl == PairList(pl.total, np.array(pairs, dtype=np.uint64).reshape(-1, 2))  # flat is not compared
 
 
 def test_decode_is_zero_copy_and_alignment_free() -> None:
@@ -176,7 +187,7 @@ def test_free_from_numpy() -> None:
         encode_free(np.array([-1], dtype=np.int64))
 
 
-@pytest.mark.parametrize("bad", [[], [-1], [2**64], [1.5], [None]])
+@pytest.mark.parametrize("bad", [[], [-1], [2**64], [1.5], [None], [1, True], [3, -2], [5, 2**64]])
 def test_encode_free_rejects_bad_input(bad: list[object]) -> None:
     with pytest.raises(ValueError):
         encode_free(bad)  # type: ignore[arg-type]
