@@ -73,6 +73,29 @@ def _seconds(text: str) -> float | None:
     return value or None
 
 
+def _keepalive(text: str) -> Any:
+    """``--keepalive``: IDLE,INTERVAL,COUNT[,USER_TIMEOUT] or off."""
+    from dissoc.transport.tcp import parse_keepalive
+
+    try:
+        return parse_keepalive(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _keepalive_flag(parser: Any) -> None:
+    from dissoc.transport.tcp import DEFAULT_KEEPALIVE, format_keepalive
+
+    parser.add_argument(
+        "--keepalive",
+        type=_keepalive,
+        default=DEFAULT_KEEPALIVE,
+        metavar="SPEC",
+        help="how TCP/TLS connections notice a peer gone without a word: IDLE,INTERVAL,COUNT[,USER_TIMEOUT] "
+        f"seconds, probes, seconds (default {format_keepalive(DEFAULT_KEEPALIVE)}), or off",
+    )
+
+
 def _timeout(text: str) -> float:
     """A positive number of seconds."""
     try:
@@ -282,6 +305,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="S",
         help=f"no request, no stream and no ranges held for this long: dropped ({DEFAULT_IDLE_TIMEOUT:g})",
     )
+    _keepalive_flag(lim)
     lim.add_argument(
         "--max-ticket-bytes",
         type=_positive_int,
@@ -324,6 +348,7 @@ def _parser() -> argparse.ArgumentParser:
         "-o", "--output", default=None, help="write an Arrow IPC file (.arrow) or stream (.arrows)"
     )
     g.add_argument("--timeout", type=float, default=30.0)
+    _keepalive_flag(g)
     g.add_argument("--no-progress", action="store_true")
     g.add_argument(
         "--ucx-path",
@@ -571,6 +596,7 @@ async def _get(args: argparse.Namespace) -> int:
         tls_key=args.tls_key,
         token=args.token or os.environ.get(TOKEN_ENV) or None,
         require_device_path=args.require_device_path,
+        keepalive=args.keepalive,
     )
     stats = FetchStats()
     progress = _Progress(not args.no_progress)

@@ -2,7 +2,7 @@
 # Set up .venv with the test extras and run the test suite (extra arguments go to pytest).
 #
 #   scripts/test.sh                  the whole suite, as CI runs it (.ci/run)
-#   scripts/test.sh --fast [ARGS]    the fast loop: the suite less the slow, spark, docker, ucx and heavy
+#   scripts/test.sh --fast [ARGS]    the fast loop: the suite less the slow, spark, docker, ucx, netns and heavy
 #                                    groups (tests/conftest.py says what is heavy, by path), in under three
 #                                    minutes on two cores; ARGS go to pytest too (a -m of yours replaces it)
 set -euo pipefail
@@ -16,7 +16,8 @@ scripts/setup-venv.sh test,dev,ucx,spark,metrics,jit
 if [ "${1:-}" = --fast ]; then
     shift
     # The spark group is left out, so Java is not needed.
-    exec .venv/bin/python -m pytest -q -m "not (slow or spark or docker or ucx or heavy)" "$@"
+    exec .venv/bin/python -m pytest -q -m "not (slow or spark or docker or ucx or netns or heavy)" "$@"
 fi
 scripts/ensure-java.sh || echo "no Java 17+: the spark tests will be skipped" >&2
+scripts/ensure-net-tools.sh || echo "no ip/nft/nsenter: the netns (cluster) tests will be skipped" >&2
 exec .venv/bin/python -m pytest -q "$@"

@@ -3,6 +3,7 @@
 Hypothesis runs derandomized when ``CI`` is set (profile ``ci``). Markers: ``ucx`` (needs ucxx), ``gpu``
 (needs cupy and a CUDA device), ``spark`` (needs pyspark and Java), ``docker`` (builds and runs the images of
 docker/: needs a docker daemon that answers and, until its base image is built, debootstrap run as root),
+``netns`` (a cluster of network namespaces, :mod:`cluster.netns`: needs root, iproute2 and nftables),
 ``slow``. A marked test whose dependency is missing is skipped with a reason that names it; ``slow`` tests run
 by default (deselect with ``-m "not slow"``), and so do ``docker`` tests where a daemon answers (about two
 minutes of image builds; deselect with ``-m "not docker"`` or ``DISSOC_DOCKER_TESTS=0``).
@@ -65,7 +66,16 @@ def _missing(marker: str) -> str | None:
             return "pyspark is not installed (pip install 'dissoc[spark]')"
         if shutil.which("java") is None:
             return "Java is not installed (PySpark needs Java 17)"
+    if marker == "netns":
+        return _netns_missing()
     return None
+
+
+@cache
+def _netns_missing() -> str | None:
+    from cluster.netns import missing
+
+    return missing()
 
 
 @cache
@@ -119,6 +129,7 @@ HEAVY = (
     "bench/",
     "cli/",
     "client/",
+    "cluster/",
     "docker/",
     "docs/",  # every example of the README and docs/, each in an interpreter of its own
     "reliability/",
@@ -155,7 +166,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _heavy(item):
             item.add_marker(pytest.mark.heavy)
-        for marker in ("ucx", "gpu", "spark"):
+        for marker in ("ucx", "gpu", "spark", "netns"):
             if item.get_closest_marker(marker) is not None:
                 reason = _missing(marker)
                 if reason is not None:

@@ -20,6 +20,7 @@ from typing import Any, Literal, Self
 from dissoc.config import fill, from_option
 from dissoc.errors import DissocError, TransportError
 from dissoc.tokens import Secret
+from dissoc.transport.tcp import DEFAULT_KEEPALIVE, Keepalive
 from dissoc.transport.tls import DEFAULT_HANDSHAKE_TIMEOUT
 from dissoc.uri import DissocURI
 
@@ -114,6 +115,11 @@ class ServerOptions:
     want_data_timeout: float | None = DEFAULT_WANT_DATA_TIMEOUT
     #: Seconds a connection may sit with no request, no stream and no listed ranges held before it is dropped.
     idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT
+    #: How TCP and TLS connections notice a client that is gone without a word (a partition, a host that
+    #: vanished), a stream in progress included: keepalive probes and a limit on unacknowledged data
+    #: (:class:`~dissoc.transport.Keepalive`: about a minute by default; None: off; ``--keepalive``). The
+    #: connection then closes and everything the client held is released.
+    keepalive: Keepalive | None = DEFAULT_KEEPALIVE
     #: Largest want_data payload: a larger one is refused from its frame header, before it is read.
     max_ticket_bytes: int = DEFAULT_MAX_TICKET_BYTES
     #: Largest free_data payload: a larger one is refused from its frame header, before it is read.

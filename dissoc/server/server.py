@@ -96,8 +96,10 @@ class Server:
             "max_connections": max_connections,
             "max_connections_per_peer": options.max_connections_per_peer,
             "receive_budget": self.receive_budget,
-            **options.transport_options,
         }
+        if options.scheme in ("tcp", "tls"):
+            listening["keepalive"] = options.keepalive
+        listening.update(options.transport_options)
         if options.tls_cert is not None:
             listening["tls"] = server_context(
                 options.tls_cert, options.tls_key, client_ca=options.tls_client_ca

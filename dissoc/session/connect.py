@@ -24,7 +24,12 @@ async def open_connection(uri: DissocURI, options: ClientOptions) -> Connection:
     elif uri.scheme == "tls":
         from dissoc.transport.tls import cached_client_context
 
-        extra = {"tls": cached_client_context(options.tls_ca, options.tls_cert, options.tls_key)}
+        extra = {
+            "tls": cached_client_context(options.tls_ca, options.tls_cert, options.tls_key),
+            "keepalive": options.keepalive,
+        }
+    elif uri.scheme == "tcp":
+        extra = {"keepalive": options.keepalive}
     try:
         return await asyncio.wait_for(
             connect(
@@ -57,6 +62,7 @@ def pool_key(uri: DissocURI, options: ClientOptions) -> Hashable:
         o.tls_cert,
         o.tls_key,
         o.max_buffered_bytes,
+        o.keepalive,
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dissoc.flight.common import DEFAULT_TIMEOUT
+from dissoc.transport.tcp import DEFAULT_KEEPALIVE, Keepalive
 
 __all__ = ["HOST_COPY", "ClientOptions", "FetchPath", "FetchStats"]
 
@@ -59,6 +60,10 @@ class ClientOptions:
     instead of logging a warning (once per stream) and going on. The device path is UCX with CuPy and a
     CUDA-capable UCX build (packed bodies received into device memory), or pairs in device memory
     (``memory=cuda``, CUDA IPC). See :attr:`FetchStats.path`.
+    ``keepalive``: how a ``tcp``/``tls`` connection notices a server that is gone without a word (a partition,
+    a host that vanished), pooled connections included: TCP keepalive probes and a limit on unacknowledged
+    data (:class:`dissoc.transport.Keepalive`; the default notices within about a minute; None: off). A
+    stream in progress also ends after ``timeout`` seconds without data.
     """
 
     timeout: float = 30.0
@@ -77,6 +82,7 @@ class ClientOptions:
     token: str | None = None
     reuse_connections: bool | None = None
     require_device_path: bool = False
+    keepalive: Keepalive | None = DEFAULT_KEEPALIVE
 
 
 @dataclass(frozen=True, slots=True)

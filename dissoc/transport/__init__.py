@@ -26,10 +26,18 @@ from dissoc.transport.base import (
 )
 from dissoc.transport.message import TaggedMessage
 from dissoc.transport.registry import connect, register_transport, registered_schemes, serve
-from dissoc.transport.tcp import TcpConnection, TcpListener, connect_tcp, serve_tcp
+from dissoc.transport.tcp import (
+    DEFAULT_KEEPALIVE,
+    Keepalive,
+    TcpConnection,
+    TcpListener,
+    connect_tcp,
+    serve_tcp,
+)
 
 __all__ = [
     "ALIGNMENT",
+    "DEFAULT_KEEPALIVE",
     "DEFAULT_MAX_BUFFERED_BYTES",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_POOL",
@@ -41,6 +49,7 @@ __all__ = [
     "Connection",
     "FrameError",
     "Handler",
+    "Keepalive",
     "Listener",
     "MessageTooLargeError",
     "SendData",

@@ -21,6 +21,7 @@ import socket
 import struct
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
 
 import pyarrow as pa
@@ -55,11 +56,15 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_BACKLOG",
     "DEFAULT_CONNECT_TIMEOUT",
+    "DEFAULT_KEEPALIVE",
     "HEADER_SIZE",
     "KIND_TAGGED",
     "KIND_UNTAGGED",
     "ConnectOptions",
+    "Keepalive",
     "ListenOptions",
+    "format_keepalive",
+    "parse_keepalive",
     "TcpConnection",
     "TcpListener",
     "connect_socket",
@@ -171,9 +176,91 @@ def tls_record_hint(first_bytes: Buffer) -> str | None:
     return None
 
 
-def _configure_socket(sock: socket.socket, sndbuf: int | None, rcvbuf: int | None) -> None:
+@dataclass(frozen=True, slots=True)
+class Keepalive:
+    """How a TCP connection notices a peer that is gone without a word (a host that vanished, a partition):
+    after ``idle`` seconds without traffic the kernel sends a probe every ``interval`` seconds, and ``count``
+    unanswered ones end the connection; data sent but not acknowledged for ``user_timeout`` seconds ends it
+    too (``TCP_USER_TIMEOUT``; None: the kernel's retransmission limit, about 15 minutes). Either way the
+    connection's next read or write fails with :class:`~dissoc.errors.TransportError`.
+
+    The defaults (:data:`DEFAULT_KEEPALIVE`) notice an idle dead peer in about a minute and a stalled send in
+    a minute; a connection that carries nothing for hours is kept. Set per listener and per connection
+    (``keepalive`` of :class:`ListenOptions` and :class:`ConnectOptions`; None: off).
+    """
+
+    idle: float = 30.0
+    interval: float = 10.0
+    count: int = 3
+    user_timeout: float | None = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("idle", "interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 1 <= value <= 32767:
+                raise ValueError(f"keepalive {name}: expected 1 to 32767 seconds, got {value!r}")
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or not 1 <= self.count <= 127:
+            raise ValueError(f"keepalive count: expected 1 to 127 probes, got {self.count!r}")
+        timeout = self.user_timeout
+        bad = isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
+        if timeout is not None and bad:
+            raise ValueError(f"keepalive user_timeout: expected seconds > 0 or None, got {timeout!r}")
+
+
+#: Keepalive of every TCP and TLS connection unless its options say otherwise.
+DEFAULT_KEEPALIVE = Keepalive()
+
+
+def parse_keepalive(text: str) -> Keepalive | None:
+    """``IDLE,INTERVAL,COUNT[,USER_TIMEOUT]`` (seconds, seconds, probes, seconds or ``none``), or ``off``:
+    what ``--keepalive`` takes. Raises :class:`ValueError` naming what is wrong."""
+    text = text.strip()
+    if text.lower() in ("off", "none", "0"):
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) not in (3, 4):
+        raise ValueError(f"keepalive: expected IDLE,INTERVAL,COUNT[,USER_TIMEOUT] or off, got {text!r}")
+    try:
+        idle, interval, count = float(parts[0]), float(parts[1]), int(parts[2])
+        user = None if len(parts) < 4 or parts[3].lower() == "none" else float(parts[3])
+    except ValueError:
+        raise ValueError(
+            f"keepalive: expected numbers in IDLE,INTERVAL,COUNT[,USER_TIMEOUT], got {text!r}"
+        ) from None
+    return Keepalive(idle, interval, count, user if len(parts) == 4 else DEFAULT_KEEPALIVE.user_timeout)
+
+
+def format_keepalive(keepalive: Keepalive | None) -> str:
+    """What :func:`parse_keepalive` reads back."""
+    if keepalive is None:
+        return "off"
+    user = "none" if keepalive.user_timeout is None else f"{keepalive.user_timeout:g}"
+    return f"{keepalive.idle:g},{keepalive.interval:g},{keepalive.count},{user}"
+
+
+def _keepalive(sock: socket.socket, keepalive: Keepalive | None) -> None:
+    if keepalive is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", keepalive.idle),
+        ("TCP_KEEPINTVL", keepalive.interval),
+        ("TCP_KEEPCNT", keepalive.count),
+    ):
+        option = getattr(socket, name, None)
+        if option is not None:  # (Linux; other systems keep their own timing)
+            sock.setsockopt(socket.IPPROTO_TCP, option, max(1, int(value)))
+    user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if user_timeout is not None and keepalive.user_timeout is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, user_timeout, max(1, int(keepalive.user_timeout * 1000)))
+
+
+def _configure_socket(
+    sock: socket.socket, sndbuf: int | None, rcvbuf: int | None, keepalive: Keepalive | None = None
+) -> None:
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _keepalive(sock, keepalive)
     if sndbuf is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     if rcvbuf is not None:
@@ -756,6 +843,7 @@ class TcpListener(Listener):
         max_connections: int | None = None,
         max_connections_per_peer: int | None = None,
         receive_budget: ReceiveBudget | None = None,
+        keepalive: Keepalive | None = DEFAULT_KEEPALIVE,
     ) -> None:
         super().__init__(
             handler, max_connections=max_connections, max_connections_per_peer=max_connections_per_peer
@@ -772,6 +860,7 @@ class TcpListener(Listener):
         self._backoff: asyncio.TimerHandle | None = None
         self._sndbuf = sndbuf
         self._rcvbuf = rcvbuf
+        self._keepalive = keepalive
         name = sock.getsockname()
         self._host = str(name[0])
         self._port = int(name[1])
@@ -867,7 +956,7 @@ class TcpListener(Listener):
                 conn_sock.close()
                 continue
             try:
-                _configure_socket(conn_sock, self._sndbuf, self._rcvbuf)
+                _configure_socket(conn_sock, self._sndbuf, self._rcvbuf, self._keepalive)
                 connection = self._connection(conn_sock)
             except (OSError, ValueError) as exc:
                 peer_log.log(
@@ -912,7 +1001,9 @@ class ListenOptions(TypedDict, total=False):
       receive buffers (see :class:`TcpConnection`);
     - ``sndbuf``/``rcvbuf``: the kernel socket buffer sizes (default: the kernel's autotuning);
     - ``max_connections``, ``max_connections_per_peer`` and ``receive_budget``: what peers may hold (see
-      :class:`TcpListener` and :class:`~dissoc.transport.base.ReceiveBudget`; None: unbounded).
+      :class:`TcpListener` and :class:`~dissoc.transport.base.ReceiveBudget`; None: unbounded);
+    - ``keepalive`` (:data:`DEFAULT_KEEPALIVE`): how accepted connections notice a peer that is gone (see
+      :class:`Keepalive`; None: off).
     """
 
     backlog: int
@@ -924,13 +1015,15 @@ class ListenOptions(TypedDict, total=False):
     max_connections: int | None
     max_connections_per_peer: int | None
     receive_budget: ReceiveBudget | None
+    keepalive: Keepalive | None
 
 
 class ConnectOptions(TypedDict, total=False):
     """What :func:`connect_tcp` takes besides the address (and :func:`~dissoc.transport.tls.connect_tls`
     besides its TLS context), each optional: ``timeout`` (:data:`DEFAULT_CONNECT_TIMEOUT` seconds; None: no
     limit), the connection's ``max_message_bytes``, ``max_buffered_bytes`` and ``allocator`` (see
-    :class:`TcpConnection`), and the kernel socket buffer sizes ``sndbuf``/``rcvbuf``."""
+    :class:`TcpConnection`), the kernel socket buffer sizes ``sndbuf``/``rcvbuf``, and ``keepalive``
+    (:data:`DEFAULT_KEEPALIVE`; see :class:`Keepalive`; None: off)."""
 
     timeout: float | None
     max_message_bytes: int
@@ -938,6 +1031,7 @@ class ConnectOptions(TypedDict, total=False):
     allocator: Allocator | None
     sndbuf: int | None
     rcvbuf: int | None
+    keepalive: Keepalive | None
 
 
 ListenerT = TypeVar("ListenerT", bound=TcpListener)
@@ -1016,6 +1110,7 @@ async def connect_socket(
     sndbuf: int | None = None,
     rcvbuf: int | None = None,
     scheme: str = "tcp",
+    keepalive: Keepalive | None = DEFAULT_KEEPALIVE,
 ) -> socket.socket:
     """A non-blocking stream socket connected to ``host:port`` (each address tried in turn); raises
     :class:`~dissoc.errors.TransportError` on failure or timeout (``scheme`` names the target in it)."""
@@ -1029,7 +1124,7 @@ async def connect_socket(
                 sock = socket.socket(family, kind, proto)
                 try:
                     sock.setblocking(False)
-                    _configure_socket(sock, sndbuf, rcvbuf)
+                    _configure_socket(sock, sndbuf, rcvbuf, keepalive)
                     await loop.sock_connect(sock, address)
                 except OSError as exc:
                     sock.close()
@@ -1059,11 +1154,11 @@ async def connect_stream(
         sndbuf=options.get("sndbuf"),
         rcvbuf=options.get("rcvbuf"),
         scheme=scheme,
+        keepalive=options.get("keepalive", DEFAULT_KEEPALIVE),
     )
     try:
-        return connection(
-            sock, **{k: v for k, v in options.items() if k not in ("timeout", "sndbuf", "rcvbuf")}
-        )
+        socket_options = ("timeout", "sndbuf", "rcvbuf", "keepalive")
+        return connection(sock, **{k: v for k, v in options.items() if k not in socket_options})
     except BaseException:
         sock.close()
         raise

@@ -96,7 +96,12 @@ def _ca(common_name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]
 
 
 def _leaf(
-    ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, common_name: str, *, server: bool
+    ca: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    common_name: str,
+    *,
+    server: bool,
+    ips: tuple[str, ...] = (),
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     key = _key()
     now = datetime.datetime.now(datetime.UTC)
@@ -122,17 +127,20 @@ def _leaf(
     if server:
         builder = builder.add_extension(
             x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                [
+                    x509.DNSName("localhost"),
+                    *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", *ips)),
+                ]
             ),
             critical=False,
         )
     return builder.sign(ca_key, hashes.SHA256()), key
 
 
-def make_certs(directory: Path) -> Certs:
-    """Write a fresh set of certificates into ``directory``."""
+def make_certs(directory: Path, ips: tuple[str, ...] = ()) -> Certs:
+    """Write a fresh set of certificates into ``directory`` (the server's also for the addresses ``ips``)."""
     ca, ca_key = _ca("dissoc test CA")
-    server, server_key = _leaf(ca, ca_key, "localhost", server=True)
+    server, server_key = _leaf(ca, ca_key, "localhost", server=True, ips=ips)
     client, client_key = _leaf(ca, ca_key, "spark-executor-7", server=False)
     other, other_key = _ca("some other CA")
     other_server, other_server_key = _leaf(other, other_key, "localhost", server=True)
