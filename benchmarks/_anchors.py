@@ -54,7 +54,7 @@ import numpy as np
 import pyarrow as pa
 
 MiB = 1 << 20
-HOST = "127.0.0.1"
+HOST = os.environ.get("DISSOC_BENCH_HOST", "127.0.0.1")  # where the anchor servers listen
 #: Buffer size of the IPC socket writer and reader (Python ``BufferedWriter``/``BufferedReader`` from
 #: ``socket.makefile``). Measured readers: a 1 MiB ``BufferedReader`` given straight to
 #: ``pa.ipc.open_stream`` is as fast as the best for 16 MiB batches (large reads bypass the buffer, no extra

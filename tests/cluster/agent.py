@@ -143,6 +143,7 @@ def client(args: argparse.Namespace) -> None:
             with open_stream(cmd["uri"], cmd["ticket"], options=options) as reader:
                 stats = reader.stats
                 for batch in reader:
+                    assert isinstance(batch, pa.RecordBatch)
                     ids = batch.column(0).to_numpy()
                     ids_ok = ids_ok and bool((ids == np.arange(expect, expect + len(ids))).all())
                     expect += len(ids)
@@ -155,11 +156,12 @@ def client(args: argparse.Namespace) -> None:
                     "rows": rows,
                     "ids_ok": ids_ok,
                     "seconds": time.monotonic() - start,
-                    "path": stats.path.as_dict(),
+                    "path": stats.path.as_dict() if stats.path is not None else {},
                 }
             )
         except Exception as e:
-            say({"ok": False, "error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start})
+            seconds = time.monotonic() - start
+            say({"ok": False, "error": type(e).__name__, "message": str(e), "seconds": seconds})
 
 
 def main() -> None:

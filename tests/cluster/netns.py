@@ -115,9 +115,7 @@ class Cluster:
             raise ValueError(f"hosts: expected 1 to 200, got {hosts}")
         self.id = f"{PREFIX}{os.getpid() % 100000}x{next(_counter)}"
         self.switch = f"{self.id}sw"
-        self.hosts = [
-            Host(i, f"{self.id}h{i}", f"{SUBNET}.{i + 1}", f"v{i}") for i in range(hosts)
-        ]
+        self.hosts = [Host(i, f"{self.id}h{i}", f"{SUBNET}.{i + 1}", f"v{i}") for i in range(hosts)]
         self._made: list[str] = []
         self._tc: list[tuple[str, str]] = []  # (namespace, device) with a qdisc of ours
 
@@ -137,7 +135,7 @@ class Cluster:
     def _make(self) -> None:
         _sh("ip", "netns", "add", self.switch)
         self._made.append(self.switch)
-        _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge", "forward_delay", "0", "stp_state", "0")
+        _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge", "forward_delay", "0")
         _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
         for host in self.hosts:
             _sh("ip", "netns", "add", host.ns)
@@ -189,11 +187,12 @@ class Cluster:
                     )  # fmt: skip
                     self._tc.append((ns, dev))
             if loss_percent:
-                per_mille = int(round(loss_percent * 10))
+                per_mille = round(loss_percent * 10)
                 host.nft(
                     "table inet dsc_loss {\n"
                     "  chain out { type filter hook output priority 0; policy accept;\n"
-                    f"    meta l4proto {{ tcp, udp }} ip daddr {SUBNET}.0/24 numgen random mod 1000 < {per_mille} drop\n"
+                    f"    meta l4proto {{ tcp, udp }} ip daddr {SUBNET}.0/24"
+                    f" numgen random mod 1000 < {per_mille} drop\n"
                     "  }\n"
                     "}\n"
                 )
@@ -234,7 +233,9 @@ class Cluster:
                 if name.startswith("dsc_"):
                     _sh("nft", "delete", "table", "inet", name, ns=host.ns)
         for ns, dev in self._tc:
-            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
+            subprocess.run(
+                ["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True
+            )
         self._tc.clear()
 
     def vanish(self, host: Host) -> None:

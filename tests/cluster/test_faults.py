@@ -122,7 +122,8 @@ def test_partition_mid_stream_fails_in_time_and_the_server_reclaims(
     server = _server(b, tls_dir=tls_dir)
     client = Agent(a, "client", "--keepalive", KEEPALIVE)
     more = {"tls_ca": str(tmp_path / "ca.pem")} if tls_dir else {}
-    client.send({"op": "fetch", "uri": server.info["uri"], "ticket": "slow", "timeout": CLIENT_TIMEOUT, **more})
+    uri = server.info["uri"]
+    client.send({"op": "fetch", "uri": uri, "ticket": "slow", "timeout": CLIENT_TIMEOUT, **more})
     assert client.read(20) == {"event": "first"}
     assert server.ask({"op": "status"})["streams"] == 1
     cluster.partition(a, b, one_way=way != "both")

@@ -24,6 +24,7 @@ from dissoc.server.combined import CombinedServer
 from dissoc.server.data import DataServer
 from dissoc.server.metadata import MetadataServer
 from dissoc.tokens import Secret, TokenError
+from dissoc.transport import Keepalive
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,6 +46,7 @@ OLD_DEFAULTS: dict[str, Any] = {
     "max_connections_per_peer": 64,
     "want_data_timeout": 10.0,
     "idle_timeout": 300.0,
+    "keepalive": Keepalive(idle=30.0, interval=10.0, count=3, user_timeout=60.0),
     "max_ticket_bytes": 64 << 10,
     "max_free_data_bytes": 8 << 20,
     "max_receiving_bytes": 1 << 30,
