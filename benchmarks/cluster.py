@@ -15,7 +15,7 @@ Needs root, iproute2, util-linux and nftables (``scripts/ensure-net-tools.sh``):
 
 Client entry point (run by this script inside the client host)::
 
-    python benchmarks/cluster.py client KIND URI TICKET REPEAT   # one JSON line: seconds per transfer
+    python benchmarks/cluster.py client KIND URI TICKET REPEAT [DATA_URI]   # one JSON line: seconds each
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def workloads(quick: bool) -> list[Workload]:
 # ---------------------------------------------------------------------------------------------- the client
 
 
-def client(kind: str, uri: str, ticket: str, repeat: int) -> None:
+def client(kind: str, uri: str, ticket: str, repeat: int, data_uri: str | None = None) -> None:
     """Transfers the stream ``repeat + 1`` times (the first untimed); prints the seconds of each timed one."""
     if kind == "flight":
         from pyarrow import flight
@@ -74,7 +74,7 @@ def client(kind: str, uri: str, ticket: str, repeat: int) -> None:
 
         def once() -> tuple[int, int]:
             n = rows = 0
-            with open_stream(uri, ticket) as reader:
+            with open_stream(uri, ticket, data_uri=data_uri) as reader:
                 for batch in reader:
                     n += batch.nbytes
                     rows += batch.num_rows
@@ -93,10 +93,12 @@ def client(kind: str, uri: str, ticket: str, repeat: int) -> None:
 # ------------------------------------------------------------------------------------------------ the run
 
 
-def _servers(server_host: Any, files: dict[str, Path], env: dict[str, str]) -> dict[str, dict[str, str]]:
-    """Start the three servers in ``server_host``; each path's URI per workload."""
+def _servers(
+    server_host: Any, files: dict[str, Path], env: dict[str, str]
+) -> dict[str, dict[str, list[str]]]:
+    """Start the three servers in ``server_host``; each path's URIs per workload (metadata, and data)."""
     python = sys.executable
-    uris: dict[str, dict[str, str]] = {p: {} for p in PATHS}
+    uris: dict[str, dict[str, list[str]]] = {p: {} for p in PATHS}
     for path, extra in (("dissoc-tcp-combined", []), ("dissoc-tcp-split", ["--split"])):
         proc = server_host.popen(
             [
@@ -116,7 +118,7 @@ def _servers(server_host: Any, files: dict[str, Path], env: dict[str, str]) -> d
         assert proc.stdout is not None
         for _ in files:
             info = json.loads(proc.stdout.readline())
-            uris[path][info["ticket"]] = info["uri"]
+            uris[path][info["ticket"]] = [info["uri"], info["data_uri"]]
     for name, file in files.items():
         proc = server_host.popen(
             [python, str(REPO_ROOT / "benchmarks" / "_anchors.py"), "serve-flight", str(file)],
@@ -125,14 +127,25 @@ def _servers(server_host: Any, files: dict[str, Path], env: dict[str, str]) -> d
             env={**env, "DISSOC_BENCH_HOST": server_host.addr},
         )
         assert proc.stdout is not None
-        uris["flight-do-get"][name] = json.loads(proc.stdout.readline())["uri"]
+        uris["flight-do-get"][name] = [json.loads(proc.stdout.readline())["uri"]]
     return uris
 
 
-def _transfer(client_host: Any, path: str, uri: str, ticket: str, repeat: int, env: dict[str, str]) -> Any:
+def _transfer(
+    client_host: Any, path: str, uris: list[str], ticket: str, repeat: int, env: dict[str, str]
+) -> Any:
     kind = "flight" if path == "flight-do-get" else "dissoc"
     done = client_host.run(
-        [sys.executable, str(Path(__file__).resolve()), "client", kind, uri, ticket, str(repeat)],
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "client",
+            kind,
+            uris[0],
+            ticket,
+            str(repeat),
+            *uris[1:],
+        ],
         env=env,
         timeout=600,
         check=False,
@@ -214,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["client"]:
         kind, uri, ticket, repeat = argv[1:5]
-        client(kind, uri, ticket, int(repeat))
+        client(kind, uri, ticket, int(repeat), argv[5] if len(argv) > 5 else None)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3, help="timed transfers per path (default 3)")

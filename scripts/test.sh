@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv with the test extras and run the test suite (extra arguments go to pytest).
 #
-#   scripts/test.sh                  the whole suite, as CI runs it (.ci/run)
+#   scripts/test.sh                  the whole suite, as CI runs it (.ci/run), on two workers (pytest-xdist,
+#                                    a module's tests on one of them; -n 0 runs it in this process)
 #   scripts/test.sh --fast [ARGS]    the fast loop: the suite less the slow, spark, docker, ucx, netns and heavy
 #                                    groups (tests/conftest.py says what is heavy, by path), in under three
 #                                    minutes on two cores; ARGS go to pytest too (a -m of yours replaces it)
@@ -20,4 +21,4 @@ if [ "${1:-}" = --fast ]; then
 fi
 scripts/ensure-java.sh || echo "no Java 17+: the spark tests will be skipped" >&2
 scripts/ensure-net-tools.sh || echo "no ip/nft/nsenter: the netns (cluster) tests will be skipped" >&2
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q -n 2 --dist loadscope "$@"
