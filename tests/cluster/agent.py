@@ -12,7 +12,7 @@ The client keeps one process (and so the synchronous API's pooled connections) a
 ``{"op": "fetch", "uri", "ticket", "timeout"[, "tls_ca"]}`` reads the stream batch by batch, printing
 ``{"event": "first"}`` after the first batch, then ``{"ok": true, "rows", "ids_ok", "seconds", "path"}`` or
 ``{"ok": false, "error": class name, "message", "seconds"}``; ``{"op": "status"}`` answers the pool's
-idle connections.
+idle connections. Both answer ``status`` with their open file descriptors too (``fds``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import threading
 import time
@@ -108,7 +109,8 @@ async def status(server: Any) -> dict[str, Any]:
             connections += max(len(conns), len(tasks))
     started = sum(SERVER.streams_started.samples().values())
     ended = sum(SERVER.streams_finished.samples().values()) + sum(SERVER.streams_failed.samples().values())
-    return {"connections": connections, "streams": started - ended, "started": started}
+    fds = len(os.listdir("/proc/self/fd"))
+    return {"connections": connections, "streams": started - ended, "started": started, "fds": fds}
 
 
 # ---------------------------------------------------------------------------------------------------- client
@@ -129,7 +131,7 @@ def client(args: argparse.Namespace) -> None:
             runner = main_runner()
             loop = getattr(runner, "_loop", None)
             idle = pool_of(loop)._idle if loop is not None else {}
-            say({"pooled": sum(len(v) for v in idle.values())})
+            say({"pooled": sum(len(v) for v in idle.values()), "fds": len(os.listdir("/proc/self/fd"))})
             continue
         options = ClientOptions(
             timeout=cmd.get("timeout", 30.0),

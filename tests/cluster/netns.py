@@ -215,12 +215,13 @@ class Cluster:
             if one_way:  # only a's packets to b are lost: b still reaches a
                 _sh("nft", "delete", "chain", "inet", f"dsc_part_{dst.index}", "in", ns=src.ns)
 
-    def reset(self, host: Host, port: int) -> None:
-        """Answer every TCP packet arriving at ``host``'s ``port`` with a reset."""
+    def reset(self, host: Host, port: int | None = None) -> None:
+        """Answer every TCP packet arriving at ``host``'s ``port`` (None: any port) with a reset."""
+        match = "" if port is None else f" tcp dport {port}"
         host.nft(
             "table inet dsc_reset {\n"
             "  chain in { type filter hook input priority 0; policy accept;\n"
-            f"    ip daddr {host.addr} tcp dport {port} reject with tcp reset\n"
+            f"    ip daddr {host.addr} meta l4proto tcp{match} reject with tcp reset\n"
             "  }\n"
             "}\n"
         )

@@ -123,6 +123,7 @@ def test_partition_mid_stream_fails_in_time_and_the_server_reclaims(
     client = Agent(a, "client", "--keepalive", KEEPALIVE)
     more = {"tls_ca": str(tmp_path / "ca.pem")} if tls_dir else {}
     uri = server.info["uri"]
+    fds = server.ask({"op": "status"})["fds"], client.ask({"op": "status"})["fds"]
     client.send({"op": "fetch", "uri": uri, "ticket": "slow", "timeout": CLIENT_TIMEOUT, **more})
     assert client.read(20) == {"event": "first"}
     assert server.ask({"op": "status"})["streams"] == 1
@@ -132,6 +133,10 @@ def test_partition_mid_stream_fails_in_time_and_the_server_reclaims(
     assert got["seconds"] < 64 * 0.05 + FAIL_WITHIN  # well before the stream would have ended
     status = server.status_until(lambda s: s["connections"] == 0 and s["streams"] == 0, RECLAIM_WITHIN)
     assert status["connections"] == 0 and status["streams"] == 0, status
+    # nothing held for the other side on either: no descriptor, no pooled connection
+    assert status["fds"] <= fds[0]
+    after = client.ask({"op": "status"})
+    assert after["pooled"] == 0 and after["fds"] <= fds[1], after
     cluster.heal()
     again = _fetch(client, server, timeout=20, **more)
     assert again["ok"] and again["ids_ok"], again
@@ -159,30 +164,40 @@ def test_partition_over_ucx_fails_in_time(cluster: Cluster) -> None:
 # ------------------------------------------------------------------------ resets, vanished peers, restarts
 
 
-def test_reset_mid_stream(cluster: Cluster) -> None:
+@pytest.mark.parametrize("transport", ["tcp", "tls", UCX])
+def test_reset_mid_stream(cluster: Cluster, tmp_path: Path, transport: str) -> None:
     a, b, _ = cluster.hosts
-    server = _server(b)
+    tls_dir = _tls(tmp_path, b.addr) if transport == "tls" else None
+    server = _server(b, "tcp" if transport == "tls" else transport, tls_dir=tls_dir)
     client = Agent(a, "client", "--keepalive", KEEPALIVE)
+    more = {"tls_ca": str(tmp_path / "ca.pem")} if tls_dir else {}
     port = int(server.info["uri"].split(":")[2].split("?")[0])
-    client.send({"op": "fetch", "uri": server.info["uri"], "ticket": "slow", "timeout": CLIENT_TIMEOUT})
+    uri = server.info["uri"]
+    client.send({"op": "fetch", "uri": uri, "ticket": "slow", "timeout": CLIENT_TIMEOUT, **more})
     assert client.read(20) == {"event": "first"}
-    cluster.reset(b, port)
+    # (UCX's data moves on connections of its own, not the listener's port: every port is reset)
+    cluster.reset(b, None if transport == "ucx" else port)
     got = client.read(FAIL_WITHIN + 5)
     assert not got["ok"] and got["error"] == "TransportError", got
-    status = server.status_until(lambda s: s["connections"] == 0 and s["streams"] == 0, RECLAIM_WITHIN)
-    assert status["connections"] == 0 and status["streams"] == 0, status
+    if transport != "ucx":
+        status = server.status_until(lambda s: s["connections"] == 0 and s["streams"] == 0, RECLAIM_WITHIN)
+        assert status["connections"] == 0 and status["streams"] == 0, status
     cluster.heal()
-    again = _fetch(client, server, timeout=20)
+    again = _fetch(client, server, timeout=20, **more)
     assert again["ok"] and again["ids_ok"], again
     server.stop()
     client.stop()
 
 
-def test_a_server_that_vanishes_mid_stream(cluster: Cluster) -> None:
+@pytest.mark.parametrize("transport", ["tcp", "tls", UCX])
+def test_a_server_that_vanishes_mid_stream(cluster: Cluster, tmp_path: Path, transport: str) -> None:
     a, b, _ = cluster.hosts
-    server = _server(b)
+    tls_dir = _tls(tmp_path, b.addr) if transport == "tls" else None
+    server = _server(b, "tcp" if transport == "tls" else transport, tls_dir=tls_dir)
     client = Agent(a, "client", "--keepalive", KEEPALIVE)
-    client.send({"op": "fetch", "uri": server.info["uri"], "ticket": "slow", "timeout": CLIENT_TIMEOUT})
+    more = {"tls_ca": str(tmp_path / "ca.pem")} if tls_dir else {}
+    uri = server.info["uri"]
+    client.send({"op": "fetch", "uri": uri, "ticket": "slow", "timeout": CLIENT_TIMEOUT, **more})
     assert client.read(20) == {"event": "first"}
     cluster.vanish(b)  # no FIN, no reset: the host is gone
     got = client.read(FAIL_WITHIN + 5)
