@@ -67,6 +67,49 @@ def _tls(tmp_path: Path, server_addr: str) -> Path:
     return tmp_path
 
 
+class Pair:
+    """A server agent on host b and a client agent on host a, over ``transport`` (``tls``: the tcp server
+    with certificates for b's address)."""
+
+    def __init__(self, cluster: Cluster, tmp_path: Path, transport: str = "tcp") -> None:
+        self.a, self.b, _ = cluster.hosts
+        tls_dir = _tls(tmp_path, self.b.addr) if transport == "tls" else None
+        self.server = _server(self.b, "tcp" if transport == "tls" else transport, tls_dir=tls_dir)
+        self.client = Agent(self.a, "client", "--keepalive", KEEPALIVE)
+        #: what a fetch needs besides the URI (the CA, over TLS)
+        self.more: dict[str, Any] = {"tls_ca": str(tmp_path / "ca.pem")} if tls_dir else {}
+
+    def fetch(self, ticket: str = "t", timeout: float = 20) -> dict[str, Any]:
+        return _fetch(self.client, self.server, ticket, timeout=timeout, **self.more)
+
+    def begin_slow_stream(self) -> None:
+        """Start fetching ``slow`` (about 3 s of batches) with the short client time-out; returns once the
+        first batch is in."""
+        uri = self.server.info["uri"]
+        self.client.send(
+            {"op": "fetch", "uri": uri, "ticket": "slow", "timeout": CLIENT_TIMEOUT, **self.more}
+        )
+        assert self.client.read(20) == {"event": "first"}
+
+    def failed_in_time(self) -> dict[str, Any]:
+        """The stream's end: a ``TransportError`` within the deadline (a test failure otherwise)."""
+        got = self.client.read(FAIL_WITHIN + 5)
+        assert not got["ok"] and got["error"] == "TransportError", got
+        return got
+
+    def server_reclaimed(self) -> dict[str, Any]:
+        """The server's status once it let go of the client's connection and stream (asserted)."""
+        status = self.server.status_until(
+            lambda s: s["connections"] == 0 and s["streams"] == 0, RECLAIM_WITHIN
+        )
+        assert status["connections"] == 0 and status["streams"] == 0, status
+        return status
+
+    def stop(self) -> None:
+        self.client.stop()
+        self.server.stop()
+
+
 # ------------------------------------------------------------------------------------- across the link
 
 
@@ -74,23 +117,18 @@ def _tls(tmp_path: Path, server_addr: str) -> Path:
 def test_streams_cross_hosts_and_reuse_their_connection(
     cluster: Cluster, tmp_path: Path, transport: str
 ) -> None:
-    a, b, _ = cluster.hosts
-    tls_dir = _tls(tmp_path, b.addr) if transport == "tls" else None
-    server = _server(b, "tcp" if transport == "tls" else transport, tls_dir=tls_dir)
-    client = Agent(a, "client", "--keepalive", KEEPALIVE)
-    more = {"tls_ca": str(tmp_path / "ca.pem")} if tls_dir else {}
-    first = _fetch(client, server, timeout=20, **more)
+    p = Pair(cluster, tmp_path, transport)
+    first = p.fetch()
     assert first["ok"], first
     assert first["rows"] == 64 * 65536 and first["ids_ok"]
     assert first["path"]["transport"] == transport
     if transport == "ucx":  # across hosts: the listener path, over UCX's TCP transport here
         assert any(lane.startswith("tcp") for lane in first["path"]["ucx_transports"]), first["path"]
-    second = _fetch(client, server, timeout=20, **more)
+    second = p.fetch()
     assert second["ok"] and second["ids_ok"], second
-    status = server.ask({"op": "status"})
+    status = p.server.ask({"op": "status"})
     assert status["started"] == 2 and status["connections"] == 1, "the second stream connected anew"
-    server.stop()
-    client.stop()
+    p.stop()
 
 
 def test_capped_and_lossy_link_completes_identical(cluster: Cluster) -> None:
@@ -117,48 +155,34 @@ def test_capped_and_lossy_link_completes_identical(cluster: Cluster) -> None:
 def test_partition_mid_stream_fails_in_time_and_the_server_reclaims(
     cluster: Cluster, tmp_path: Path, transport: str, way: str
 ) -> None:
-    a, b, _ = cluster.hosts
-    tls_dir = _tls(tmp_path, b.addr) if transport == "tls" else None
-    server = _server(b, tls_dir=tls_dir)
-    client = Agent(a, "client", "--keepalive", KEEPALIVE)
-    more = {"tls_ca": str(tmp_path / "ca.pem")} if tls_dir else {}
-    uri = server.info["uri"]
-    fds = server.ask({"op": "status"})["fds"], client.ask({"op": "status"})["fds"]
-    client.send({"op": "fetch", "uri": uri, "ticket": "slow", "timeout": CLIENT_TIMEOUT, **more})
-    assert client.read(20) == {"event": "first"}
-    assert server.ask({"op": "status"})["streams"] == 1
-    cluster.partition(a, b, one_way=way != "both")
-    got = client.read(FAIL_WITHIN + 5)
-    assert not got["ok"] and got["error"] == "TransportError", got
+    p = Pair(cluster, tmp_path, transport)
+    fds = p.server.ask({"op": "status"})["fds"], p.client.ask({"op": "status"})["fds"]
+    p.begin_slow_stream()
+    assert p.server.ask({"op": "status"})["streams"] == 1
+    cluster.partition(p.a, p.b, one_way=way != "both")
+    got = p.failed_in_time()
     assert got["seconds"] < 64 * 0.05 + FAIL_WITHIN  # well before the stream would have ended
-    status = server.status_until(lambda s: s["connections"] == 0 and s["streams"] == 0, RECLAIM_WITHIN)
-    assert status["connections"] == 0 and status["streams"] == 0, status
+    status = p.server_reclaimed()
     # nothing held for the other side on either: no descriptor, no pooled connection
     assert status["fds"] <= fds[0]
-    after = client.ask({"op": "status"})
+    after = p.client.ask({"op": "status"})
     assert after["pooled"] == 0 and after["fds"] <= fds[1], after
     cluster.heal()
-    again = _fetch(client, server, timeout=20, **more)
+    again = p.fetch()
     assert again["ok"] and again["ids_ok"], again
-    server.stop()
-    client.stop()
+    p.stop()
 
 
-def test_partition_over_ucx_fails_in_time(cluster: Cluster) -> None:
+def test_partition_over_ucx_fails_in_time(cluster: Cluster, tmp_path: Path) -> None:
     pytest.importorskip("ucxx", reason="ucxx is not installed (pip install 'dissoc[ucx]')")
-    a, b, _ = cluster.hosts
-    server = _server(b, "ucx")
-    client = Agent(a, "client", "--keepalive", KEEPALIVE)
-    client.send({"op": "fetch", "uri": server.info["uri"], "ticket": "slow", "timeout": CLIENT_TIMEOUT})
-    assert client.read(20) == {"event": "first"}
-    cluster.partition(a, b)
-    got = client.read(FAIL_WITHIN + 5)
-    assert not got["ok"] and got["error"] == "TransportError", got
+    p = Pair(cluster, tmp_path, "ucx")
+    p.begin_slow_stream()
+    cluster.partition(p.a, p.b)
+    p.failed_in_time()
     cluster.heal()
-    again = _fetch(client, server, timeout=20)
+    again = p.fetch()
     assert again["ok"] and again["ids_ok"], again
-    client.stop()
-    server.stop()
+    p.stop()
 
 
 # ------------------------------------------------------------------------ resets, vanished peers, restarts
@@ -166,78 +190,54 @@ def test_partition_over_ucx_fails_in_time(cluster: Cluster) -> None:
 
 @pytest.mark.parametrize("transport", ["tcp", "tls", UCX])
 def test_reset_mid_stream(cluster: Cluster, tmp_path: Path, transport: str) -> None:
-    a, b, _ = cluster.hosts
-    tls_dir = _tls(tmp_path, b.addr) if transport == "tls" else None
-    server = _server(b, "tcp" if transport == "tls" else transport, tls_dir=tls_dir)
-    client = Agent(a, "client", "--keepalive", KEEPALIVE)
-    more = {"tls_ca": str(tmp_path / "ca.pem")} if tls_dir else {}
-    port = int(server.info["uri"].split(":")[2].split("?")[0])
-    uri = server.info["uri"]
-    client.send({"op": "fetch", "uri": uri, "ticket": "slow", "timeout": CLIENT_TIMEOUT, **more})
-    assert client.read(20) == {"event": "first"}
+    p = Pair(cluster, tmp_path, transport)
+    port = int(p.server.info["uri"].split(":")[2].split("?")[0])
+    p.begin_slow_stream()
     # (UCX's data moves on connections of its own, not the listener's port: every port is reset)
-    cluster.reset(b, None if transport == "ucx" else port)
-    got = client.read(FAIL_WITHIN + 5)
-    assert not got["ok"] and got["error"] == "TransportError", got
+    cluster.reset(p.b, None if transport == "ucx" else port)
+    p.failed_in_time()
     if transport != "ucx":
-        status = server.status_until(lambda s: s["connections"] == 0 and s["streams"] == 0, RECLAIM_WITHIN)
-        assert status["connections"] == 0 and status["streams"] == 0, status
+        p.server_reclaimed()
     cluster.heal()
-    again = _fetch(client, server, timeout=20, **more)
+    again = p.fetch()
     assert again["ok"] and again["ids_ok"], again
-    server.stop()
-    client.stop()
+    p.stop()
 
 
 @pytest.mark.parametrize("transport", ["tcp", "tls", UCX])
 def test_a_server_that_vanishes_mid_stream(cluster: Cluster, tmp_path: Path, transport: str) -> None:
-    a, b, _ = cluster.hosts
-    tls_dir = _tls(tmp_path, b.addr) if transport == "tls" else None
-    server = _server(b, "tcp" if transport == "tls" else transport, tls_dir=tls_dir)
-    client = Agent(a, "client", "--keepalive", KEEPALIVE)
-    more = {"tls_ca": str(tmp_path / "ca.pem")} if tls_dir else {}
-    uri = server.info["uri"]
-    client.send({"op": "fetch", "uri": uri, "ticket": "slow", "timeout": CLIENT_TIMEOUT, **more})
-    assert client.read(20) == {"event": "first"}
-    cluster.vanish(b)  # no FIN, no reset: the host is gone
-    got = client.read(FAIL_WITHIN + 5)
-    assert not got["ok"] and got["error"] == "TransportError", got
-    assert client.ask({"op": "status"})["pooled"] == 0  # nothing kept for a peer that left
-    client.stop()
+    p = Pair(cluster, tmp_path, transport)
+    p.begin_slow_stream()
+    cluster.vanish(p.b)  # no FIN, no reset: the host is gone
+    p.failed_in_time()
+    assert p.client.ask({"op": "status"})["pooled"] == 0  # nothing kept for a peer that left
+    p.client.stop()
 
 
-def test_a_client_that_vanishes_mid_stream_is_let_go(cluster: Cluster) -> None:
-    a, b, _ = cluster.hosts
-    server = _server(b)
-    client = Agent(a, "client", "--keepalive", KEEPALIVE)
-    client.send({"op": "fetch", "uri": server.info["uri"], "ticket": "slow", "timeout": 30})
-    assert client.read(20) == {"event": "first"}
-    cluster.vanish(a)
-    status = server.status_until(lambda s: s["connections"] == 0 and s["streams"] == 0, RECLAIM_WITHIN)
-    assert status["connections"] == 0 and status["streams"] == 0, status
-    server.stop()
+def test_a_client_that_vanishes_mid_stream_is_let_go(cluster: Cluster, tmp_path: Path) -> None:
+    p = Pair(cluster, tmp_path)
+    p.client.send({"op": "fetch", "uri": p.server.info["uri"], "ticket": "slow", "timeout": 30})
+    assert p.client.read(20) == {"event": "first"}
+    cluster.vanish(p.a)
+    p.server_reclaimed()
+    p.server.stop()
 
 
 @pytest.mark.parametrize("transport", ["tcp", "tls", UCX])
 def test_a_restarted_server_serves_clients_holding_pooled_connections(
     cluster: Cluster, tmp_path: Path, transport: str
 ) -> None:
-    a, b, _ = cluster.hosts
-    tls_dir = _tls(tmp_path, b.addr) if transport == "tls" else None
-    scheme = "tcp" if transport == "tls" else transport
-    server = _server(b, scheme, tls_dir=tls_dir)
-    client = Agent(a, "client", "--keepalive", KEEPALIVE)
-    more = {"tls_ca": str(tmp_path / "ca.pem")} if tls_dir else {}
-    assert _fetch(client, server, timeout=20, **more)["ok"]
-    assert client.ask({"op": "status"})["pooled"] == 1
-    port = server.info["uri"].split(":")[2].split("?")[0]
-    server.proc.send_signal(signal.SIGKILL)  # no goodbye: the pooled connection is dead
-    server.proc.wait(timeout=10)
-    restarted = _server(b, scheme, "--port", port, tls_dir=tls_dir)
-    assert restarted.info["uri"].split(":")[2].split("?")[0] == port
-    got = _fetch(client, restarted, timeout=20, **more)
+    p = Pair(cluster, tmp_path, transport)
+    assert p.fetch()["ok"]
+    assert p.client.ask({"op": "status"})["pooled"] == 1
+    port = p.server.info["uri"].split(":")[2].split("?")[0]
+    p.server.proc.send_signal(signal.SIGKILL)  # no goodbye: the pooled connection is dead
+    p.server.proc.wait(timeout=10)
+    tls_dir = tmp_path if transport == "tls" else None
+    p.server = _server(p.b, "tcp" if transport == "tls" else transport, "--port", port, tls_dir=tls_dir)
+    assert p.server.info["uri"].split(":")[2].split("?")[0] == port
+    got = p.fetch()
     assert got["ok"] and got["ids_ok"], got
-    status = restarted.ask({"op": "status"})
+    status = p.server.ask({"op": "status"})
     assert status["started"] == 1 and status["connections"] == 1
-    restarted.stop()
-    client.stop()
+    p.stop()
