@@ -55,6 +55,10 @@ async def serve(args: argparse.Namespace) -> None:
     from dissoc.server import Server, ServerOptions
     from dissoc.transport.tcp import parse_keepalive
 
+    if args.transport == "ucx":  # a send under way as long as the keepalive's user timeout fails it
+        from dissoc.transport.ucx import connection
+
+        connection.SEND_STALL_TIMEOUT = parse_keepalive(args.keepalive).user_timeout  # type: ignore[union-attr]
     data = batches(args.batches, args.rows)
     schema = data[0].schema
 

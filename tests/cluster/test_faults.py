@@ -173,12 +173,13 @@ def test_partition_mid_stream_fails_in_time_and_the_server_reclaims(
     p.stop()
 
 
-def test_partition_over_ucx_fails_in_time(cluster: Cluster, tmp_path: Path) -> None:
+def test_partition_over_ucx_fails_in_time_and_the_server_reclaims(cluster: Cluster, tmp_path: Path) -> None:
     pytest.importorskip("ucxx", reason="ucxx is not installed (pip install 'dissoc[ucx]')")
-    p = Pair(cluster, tmp_path, "ucx")
+    p = Pair(cluster, tmp_path, "ucx")  # (the server's SEND_STALL_TIMEOUT: the keepalive's 3 s)
     p.begin_slow_stream()
     cluster.partition(p.a, p.b)
     p.failed_in_time()
+    p.server_reclaimed()  # its sends to the client stalled: the connection failed, the stream with it
     cluster.heal()
     again = p.fetch()
     assert again["ok"] and again["ids_ok"], again

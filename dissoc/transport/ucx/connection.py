@@ -9,6 +9,7 @@ import collections
 import contextlib
 import logging
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -74,6 +75,11 @@ _RELEASE_WAIT = 1.0
 #: small messages moving while the peer takes earlier ones, little next to the peer's own budgets.
 SEND_WINDOW_BYTES = 4 << 20
 SEND_WINDOW = 512
+#: Seconds a send may stay under way before the connection fails with ``TransportError``: a peer that is
+#: unreachable (a partition, a host gone without a word) never completes it, and the connection, a server's
+#: stream on it included, would be held until UCX's transport gave up (like TCP's ``user_timeout`` in
+#: :class:`dissoc.transport.Keepalive`; None: no limit). Checked whenever the sender goes on or waits.
+SEND_STALL_TIMEOUT: float | None = 60.0
 #: Largest buffer a message that arrives after the close is received into (larger ones are truncated).
 _DISCARD_BYTES = 1 << 20
 
@@ -98,14 +104,17 @@ class _TaggedRecv:
 class _Send:
     """A send UCX has not completed yet: its request, what it keeps alive, its size and what it sends."""
 
-    __slots__ = ("keep", "nbytes", "request", "tag", "tagged")
+    __slots__ = ("keep", "nbytes", "posted", "request", "tag", "tagged")
 
-    def __init__(self, request: Any, keep: object, nbytes: int, tagged: bool, tag: int) -> None:
+    def __init__(
+        self, request: Any, keep: object, nbytes: int, tagged: bool, tag: int, posted: float
+    ) -> None:
         self.request = request
         self.keep = keep
         self.nbytes = nbytes
         self.tagged = tagged
         self.tag = tag
+        self.posted = posted  # (time.monotonic())
 
 
 class UcxConnection(Connection):
@@ -312,6 +321,7 @@ class UcxConnection(Connection):
         ]
         driver = self._driver
         sending = self._sending
+        now = time.monotonic()
         for (request, keep), (tagged, tag, host, _, total) in zip(posted, prepared, strict=True):
             if request.completed:
                 try:
@@ -323,7 +333,7 @@ class UcxConnection(Connection):
                 continue
             # Not waited for here: the caller goes on to its next messages while these move. The buffer is
             # kept until UCX completes the send (see _settle_sends), and a failure fails the connection.
-            sending.append(_Send(request, keep, total if host is None else len(host), tagged, tag))
+            sending.append(_Send(request, keep, total if host is None else len(host), tagged, tag, now))
             self._sending_bytes += sending[-1].nbytes
         driver.kick()
         await self._within_send_window()
@@ -350,12 +360,29 @@ class UcxConnection(Connection):
         """Wait until the sends under way are within :data:`SEND_WINDOW_BYTES` and :data:`SEND_WINDOW`."""
         sending = self._sending
         self._settle_sends()
+        stall = SEND_STALL_TIMEOUT
+        if stall is not None and sending and time.monotonic() - sending[0].posted > stall:
+            self._stalled(sending[0], stall)
         while sending and (self._sending_bytes > SEND_WINDOW_BYTES or len(sending) > SEND_WINDOW):
             oldest = sending[0]
-            await self._driver.wait(oldest.request, None, _sending(oldest.tagged, oldest.tag))
+            left = None if stall is None else max(0.0, oldest.posted + stall - time.monotonic())
+            try:
+                async with asyncio.timeout(left):
+                    await self._driver.wait(oldest.request, None, _sending(oldest.tagged, oldest.tag))
+            except TimeoutError:
+                self._stalled(oldest, stall)
             self._settle_sends()
         if self._closed and self._error is not None:
             raise fresh_error(self._error)  # (a send of this call failed meanwhile)
+
+    def _stalled(self, send: _Send, stall: float | None) -> None:
+        """Fail the connection: ``send`` has been under way for longer than :data:`SEND_STALL_TIMEOUT`."""
+        error = TransportError(
+            f"{self._description}: {_sending(send.tagged, send.tag)} has not completed within {stall} s "
+            "(SEND_STALL_TIMEOUT): the peer is unreachable"
+        )
+        self._teardown(error)
+        raise fresh_error(error)
 
     def _sends_under_way(self) -> list[asyncio.Future[None]]:
         """Hand the sends not completed yet to the driver, with a future each (for a close that lets them
