@@ -77,9 +77,11 @@ SEND_WINDOW_BYTES = 4 << 20
 SEND_WINDOW = 512
 #: Seconds a send may stay under way before the connection fails with ``TransportError``: a peer that is
 #: unreachable (a partition, a host gone without a word) never completes it, and the connection, a server's
-#: stream on it included, would be held until UCX's transport gave up (like TCP's ``user_timeout`` in
-#: :class:`dissoc.transport.Keepalive`; None: no limit). Checked whenever the sender goes on or waits.
-SEND_STALL_TIMEOUT: float | None = 60.0
+#: stream on it included, would be held until UCX's transport gave up. Over UCX a peer that takes no data
+#: (a consumer that stopped reading) cannot be told from one that is gone, so this is the server's idle
+#: bound (``idle_timeout``'s default), not TCP's shorter ``user_timeout``
+#: (:class:`dissoc.transport.Keepalive`). None: no limit. Checked whenever the sender goes on or waits.
+SEND_STALL_TIMEOUT: float | None = 300.0
 #: Largest buffer a message that arrives after the close is received into (larger ones are truncated).
 _DISCARD_BYTES = 1 << 20
 
