@@ -181,15 +181,7 @@ def fetch_path(
         text=True,
     )
 
-    def stop() -> None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-    stack.callback(stop)
+    stack.callback(_stop, proc)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line:
@@ -337,6 +329,7 @@ def _cli_servers(
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM a server subprocess, and kill it if it has not gone within 20 s."""
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=20)

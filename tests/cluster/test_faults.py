@@ -105,6 +105,13 @@ class Pair:
         assert status["connections"] == 0 and status["streams"] == 0, status
         return status
 
+    def heal_and_fetch(self, cluster: Cluster) -> None:
+        """Take the faults out; the same client fetches whole again from the same server, then both stop."""
+        cluster.heal()
+        again = self.fetch()
+        assert again["ok"] and again["ids_ok"], again
+        self.stop()
+
     def stop(self) -> None:
         self.client.stop()
         self.server.stop()
@@ -167,10 +174,7 @@ def test_partition_mid_stream_fails_in_time_and_the_server_reclaims(
     assert status["fds"] <= fds[0]
     after = p.client.ask({"op": "status"})
     assert after["pooled"] == 0 and after["fds"] <= fds[1], after
-    cluster.heal()
-    again = p.fetch()
-    assert again["ok"] and again["ids_ok"], again
-    p.stop()
+    p.heal_and_fetch(cluster)
 
 
 def test_partition_over_ucx_fails_in_time_and_the_server_reclaims(cluster: Cluster, tmp_path: Path) -> None:
@@ -180,10 +184,7 @@ def test_partition_over_ucx_fails_in_time_and_the_server_reclaims(cluster: Clust
     cluster.partition(p.a, p.b)
     p.failed_in_time()
     p.server_reclaimed()  # its sends to the client stalled: the connection failed, the stream with it
-    cluster.heal()
-    again = p.fetch()
-    assert again["ok"] and again["ids_ok"], again
-    p.stop()
+    p.heal_and_fetch(cluster)
 
 
 # ------------------------------------------------------------------------ resets, vanished peers, restarts
@@ -199,10 +200,7 @@ def test_reset_mid_stream(cluster: Cluster, tmp_path: Path, transport: str) -> N
     p.failed_in_time()
     if transport != "ucx":
         p.server_reclaimed()
-    cluster.heal()
-    again = p.fetch()
-    assert again["ok"] and again["ids_ok"], again
-    p.stop()
+    p.heal_and_fetch(cluster)
 
 
 @pytest.mark.parametrize("transport", ["tcp", "tls", UCX])
