@@ -406,7 +406,32 @@ class StreamReader:
         batches = [b if isinstance(b, pa.RecordBatch) else b.to_arrow() for b in self]
         return pa.Table.from_batches(batches, schema=self.schema if self._schema is None else self._schema)
 
+    def to_reader(self) -> pa.RecordBatchReader:
+        """The rest of the stream as a ``pa.RecordBatchReader``, batch by batch (device batches are copied to
+        the host). Reading it to its end, or letting it go after reading from it, closes this stream."""
+        return pa.RecordBatchReader.from_batches(self.schema, self._host_batches())
+
+    def _host_batches(self) -> Iterator[pa.RecordBatch]:
+        # Runs only once the consumer asks for a batch: a consumer that takes the schema and lets go (DuckDB
+        # does so while planning a query) leaves the stream open for the next export.
+        try:
+            for b in self:
+                yield b if isinstance(b, pa.RecordBatch) else b.to_arrow()
+        finally:
+            self.close()
+
+    def __arrow_c_stream__(self, requested_schema: object | None = None) -> object:
+        """The Arrow PyCapsule stream interface: polars, DuckDB, pandas, pyarrow and others read the rest of
+        the stream as it arrives (see :meth:`to_reader`). ``requested_schema`` is passed on to pyarrow, which
+        casts to it or raises."""
+        return self.to_reader().__arrow_c_stream__(requested_schema)
+
+    def __arrow_c_schema__(self) -> object:
+        """The stream's schema as an Arrow PyCapsule (waits for the schema message)."""
+        return self.schema.__arrow_c_schema__()
+
     def close(self) -> None:
+        """Stop reading: the server is told (the connection is closed or handed back) and stops sending."""
         if self._done:
             return
         self._done = True

@@ -26,7 +26,7 @@ from dissoc.datasets.base import (
     UnknownTicket,
 )
 from dissoc.datasets.files import IpcFileDataset, IpcStreamDataset, ParquetDataset
-from dissoc.datasets.in_memory import DeviceDataset, ReaderFactoryDataset, TableDataset
+from dissoc.datasets.in_memory import DeviceDataset, ReaderFactoryDataset, TableDataset, table_of
 from dissoc.errors import CodecError
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,11 @@ def dataset_from(obj: object, name: str | None = None) -> Dataset:
 
     ``obj`` may be a Dataset (returned as is, or renamed when ``name`` differs), a ``pa.Table`` or
     ``pa.RecordBatch`` (``name`` required), a :class:`~dissoc.device.DeviceBatch` or a list of them (``name``
-    required; served from device memory), a callable reader factory (``name`` defaults to its ``__name__``),
+    required; served from device memory), any object exporting the Arrow PyCapsule interface
+    (``__arrow_c_stream__`` or ``__arrow_c_array__``: a polars or pandas DataFrame, a DuckDB relation, a
+    ``pa.RecordBatchReader``...; ``name`` required; read into memory once, here), a callable reader factory
+    returning a reader, a table or such an object (read anew per request; ``name`` defaults to its
+    ``__name__``),
     or a path: an Arrow IPC file (recognised by its ``ARROW1`` magic whatever the extension), an IPC
     stream (``.arrows``, ``.stream``, or an ``.arrow``/``.feather``/``.ipc`` file without the file magic), a
     Parquet file (``.parquet``, ``.parq``, or ``PAR1`` magic) or a directory of Parquet files; ``name``
@@ -131,12 +135,21 @@ def dataset_from(obj: object, name: str | None = None) -> Dataset:
         if name is None:
             raise DatasetError("a name is required to serve device batches")
         return DeviceDataset(name, obj)
-    if isinstance(obj, pa.RecordBatchReader):
-        raise DatasetError(
-            "a pyarrow.RecordBatchReader can be read only once; serve a callable that returns a fresh reader"
-        )
     if isinstance(obj, (str, os.PathLike)):
         return _dataset_from_path(Path(obj), name)
+    if hasattr(obj, "__arrow_c_stream__") or hasattr(obj, "__arrow_c_array__"):
+        # A polars or pandas DataFrame, a DuckDB relation, a pyarrow or dissoc reader...: read once, now.
+        if name is None:
+            raise DatasetError(f"a name is required to serve a {type(obj).__name__}")
+        table = table_of(obj, f"dataset {name!r}")
+        log.info(
+            "dataset %r: read %d rows (%d bytes) from a %s",
+            name,
+            table.num_rows,
+            table.nbytes,
+            type(obj).__name__,
+        )
+        return TableDataset(name, table)
     if callable(obj):
         if name is None:
             name = getattr(obj, "__name__", None)
@@ -144,9 +157,9 @@ def dataset_from(obj: object, name: str | None = None) -> Dataset:
                 raise DatasetError("a name is required to serve an anonymous reader factory")
         return ReaderFactoryDataset(name, obj)
     raise DatasetError(
-        f"cannot serve a {type(obj).__name__}: expected a Dataset, pyarrow.Table, pyarrow.RecordBatch, a "
-        "callable returning a pyarrow.RecordBatchReader, or a path to an Arrow IPC or Parquet file or "
-        "directory"
+        f"cannot serve a {type(obj).__name__}: expected a Dataset, pyarrow.Table, pyarrow.RecordBatch, an "
+        "object with __arrow_c_stream__ (a DataFrame, a reader...), a callable returning one or a "
+        "pyarrow.RecordBatchReader, or a path to an Arrow IPC or Parquet file or directory"
     )
 
 

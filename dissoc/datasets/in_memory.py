@@ -1,4 +1,5 @@
-"""Datasets held in memory: a ``pa.Table``, device batches, a ``pa.RecordBatchReader`` factory."""
+"""Datasets held in memory: a ``pa.Table`` (or anything exporting Arrow PyCapsules, read into one), device
+batches, a reader factory."""
 
 from __future__ import annotations
 
@@ -21,6 +22,29 @@ from dissoc.errors import DissocError
 log = logging.getLogger(__name__)
 
 # -------------------------------------------------------------------------------------------------- in memory
+
+
+def stream_of(obj: Any, what: str) -> pa.RecordBatchReader:
+    """A ``pa.RecordBatchReader`` over an Arrow PyCapsule stream producer (``__arrow_c_stream__``)."""
+    try:
+        return pa.RecordBatchReader.from_stream(obj)
+    except Exception as e:
+        raise DatasetError(
+            f"{what}: exporting the {type(obj).__name__} as an Arrow stream failed: {e}"
+        ) from e
+
+
+def table_of(obj: Any, what: str) -> pa.Table:
+    """All of an Arrow PyCapsule producer (``__arrow_c_stream__``, or ``__arrow_c_array__`` of a struct
+    array) read into a ``pa.Table``."""
+    try:
+        if hasattr(obj, "__arrow_c_stream__"):
+            return stream_of(obj, what).read_all()
+        return pa.Table.from_batches([pa.record_batch(obj)])
+    except DatasetError:
+        raise
+    except Exception as e:
+        raise DatasetError(f"{what}: reading the {type(obj).__name__} as Arrow data failed: {e}") from e
 
 
 class TableDataset(Dataset):
@@ -148,11 +172,17 @@ class ReaderFactoryDataset(Dataset):
             raise
         except Exception as e:
             raise DatasetError(f"dataset {self.name!r}: the reader factory failed: {e}") from e
-        if isinstance(result, (pa.Table, pa.RecordBatch)) or hasattr(result, "__iter__"):
+        if isinstance(result, (pa.Table, pa.RecordBatch, pa.RecordBatchReader)):
+            return result
+        if hasattr(result, "__arrow_c_stream__"):
+            # Before __iter__: a polars or pandas DataFrame iterates over its columns.
+            return stream_of(result, f"dataset {self.name!r}")
+        if hasattr(result, "__iter__"):
             return result
         raise DatasetError(
             f"dataset {self.name!r}: the factory returned a {type(result).__name__}; expected a "
-            "pyarrow.RecordBatchReader or an iterable of pyarrow.RecordBatch"
+            "pyarrow.RecordBatchReader, an object with __arrow_c_stream__ (a polars or pandas DataFrame, a "
+            "DuckDB relation...) or an iterable of pyarrow.RecordBatch"
         )
 
     @property

@@ -36,10 +36,15 @@ class LoopRunner:
     def __init__(self, *, shared: bool = False) -> None:
         self._loop = asyncio.new_event_loop()
         self._shared = shared
+        # A reader exported through the Arrow PyCapsule interface is pulled from the consumer's threads
+        # (DuckDB's, polars'), one at a time; the lock keeps two threads from entering the loop at once
+        # (reentrant: a nested call fails as asyncio makes it, it does not hang).
+        self._lock = threading.RLock()
         own(self._loop)
 
     def run(self, coro: Any) -> Any:
-        return self._loop.run_until_complete(coro)
+        with self._lock:
+            return self._loop.run_until_complete(coro)
 
     def close(self) -> None:
         if not self._shared:
@@ -47,8 +52,9 @@ class LoopRunner:
 
     def close_idle(self) -> None:
         """Close the idle connections of this loop's pool."""
-        if not self._loop.is_closed():
-            self._loop.run_until_complete(pool_of(self._loop).aclose())
+        with self._lock:
+            if not self._loop.is_closed():
+                self._loop.run_until_complete(pool_of(self._loop).aclose())
 
     def shutdown(self) -> None:
         loop = self._loop

@@ -399,12 +399,66 @@ def test_dataset_from_rejects_clearly(table: pa.Table) -> None:
         dataset_from(table)
     with pytest.raises(DatasetError, match="anonymous"):
         dataset_from(lambda: table.to_reader())
-    with pytest.raises(DatasetError, match="only once"):
-        dataset_from(table.to_reader(), "r")
+    with pytest.raises(DatasetError, match="name is required to serve a RecordBatchReader"):
+        dataset_from(table.to_reader())
     with pytest.raises(DatasetError, match="cannot serve a int"):
         dataset_from(42, "x")
     with pytest.raises(DatasetError, match="must not be empty"):
         dataset_from(table, "")
+
+
+class _Exports:
+    """A bare Arrow PyCapsule producer: only the dunder methods, as a third-party library has them."""
+
+    def __init__(self, data: pa.Table | pa.RecordBatch, *, stream: bool = True, fail: bool = False) -> None:
+        self.data, self.stream, self.fail, self.exports = data, stream, fail, 0
+        if stream:
+            self.__arrow_c_stream__ = self._stream
+        else:
+            self.__arrow_c_array__ = self._array
+
+    def _stream(self, requested_schema: object = None) -> object:
+        self.exports += 1
+        if self.fail:
+            raise RuntimeError("the producer broke")
+        return self.data.__arrow_c_stream__(requested_schema)
+
+    def _array(self, requested_schema: object = None) -> object:
+        self.exports += 1
+        return self.data.__arrow_c_array__(requested_schema)
+
+
+def test_dataset_from_pycapsule_producers(table: pa.Table) -> None:
+    """An object exporting a stream (or a struct array) is read once, when added; a callable returning one
+    is read anew per request; a reader, too, is read into memory once."""
+    producer = _Exports(table)
+    ds = dataset_from(producer, "p")
+    assert isinstance(ds, TableDataset) and producer.exports == 1
+    assert read(ds).equals(table) and read(ds).equals(table) and producer.exports == 1
+    batch = table.combine_chunks().to_batches()[0]
+    assert read(dataset_from(_Exports(batch, stream=False), "a")).equals(pa.Table.from_batches([batch]))
+    assert read(dataset_from(table.to_reader(), "r")).equals(table)
+
+    per_request = _Exports(table)
+
+    def factory() -> object:
+        return per_request
+
+    ds = dataset_from(factory)
+    assert isinstance(ds, ReaderFactoryDataset) and ds.schema.equals(table.schema)
+    assert read(ds).equals(table) and read(ds).equals(table)
+    assert per_request.exports == 2  # the first export gave the schema and served the first request
+
+
+def test_dataset_from_pycapsule_producer_that_fails(table: pa.Table) -> None:
+    with pytest.raises(DatasetError, match=r"dataset 'p': .*the producer broke"):
+        dataset_from(_Exports(table, fail=True), "p")
+    broken = _Exports(table)
+    ds = dataset_from(lambda: broken, "f")
+    broken.fail = True
+    assert read(ds).equals(table)  # the export that gave the schema serves the first request
+    with pytest.raises(DatasetError, match="the producer broke"):
+        read(ds)
 
 
 def test_dataset_from_paths_by_extension(tmp_path: Path, table: pa.Table) -> None:
