@@ -23,7 +23,15 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-__all__ = ["STRUCT_SIZE", "Keepalive", "children_release", "export_array", "import_batch", "view_as"]
+__all__ = [
+    "STRUCT_SIZE",
+    "Keepalive",
+    "children_release",
+    "export_array",
+    "give_release",
+    "import_batch",
+    "view_as",
+]
 
 STRUCT_SIZE = 80  # sizeof(struct ArrowArray): 5 int64 + 5 pointers
 _RELEASE = 8  # uint64 column of the release callback
@@ -190,6 +198,16 @@ def import_batch(
     ``owners``, when given, are the structs that point at an exported dictionary, and the other child
     structs already hold :func:`children_release` as their release callback (a template filled it in).
     """
+    give_release(structs, keep, owners)
+    return pa.RecordBatch._import_from_c(address, schema)
+
+
+def give_release(
+    structs: npt.NDArray[np.uint64], keep: Keepalive, owners: npt.NDArray[np.intp] | None = None
+) -> None:
+    """Fill in the release callbacks and private data of a tree of ArrowArray structs (``structs[0]`` its
+    root, an (n, 10) uint64 array), so that releasing the root frees everything in ``keep``, in C++ (see the
+    module docstring). ``owners`` as for :func:`import_batch`."""
     n = len(structs)
     # The root's private data owns one zero-length buffer whose base is the list of everything to keep.
     holder = pa.foreign_buffer(_HOLDER_ADDRESS, 0, keep.objects)
@@ -211,4 +229,3 @@ def import_batch(
         else:
             structs[1:, _RELEASE] = root[_RELEASE]
             structs[1:, _PRIVATE] = _pool.take(n - 1)
-    return pa.RecordBatch._import_from_c(address, schema)

@@ -34,7 +34,8 @@ from dissoc.codec.encoder import EncodedMessage, MessageEncoder
 from dissoc.codec.layout import FieldLayout, MessageLayout, message_layout
 from dissoc.codec.message import HeaderType
 from dissoc.codec.schema import FieldPlan, Layout, SchemaInfo, decode_schema
-from dissoc.errors import CodecError, DissocError
+from dissoc.device.cdevice import DeviceInterfaceError, export_device_array, import_device_array
+from dissoc.errors import CodecError
 from dissoc.memory.cuda import DeviceBackend, get_backend
 
 __all__ = [
@@ -50,10 +51,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _CACHE_SIZE = 64
-
-
-class DeviceInterfaceError(DissocError, TypeError):
-    """A column cannot be handed out as a typed device array (not fixed-width, or not device memory)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
@@ -490,6 +487,40 @@ class DeviceBatch:
                 raise ValueError("DeviceBatch.to_table: no batches and no schema")
             schema = batches[0].schema
         return pa.Table.from_batches(host, schema=schema)
+
+    @classmethod
+    def from_arrow_device(cls, obj: Any, *, backend: DeviceBackend | None = None) -> DeviceBatch:
+        """Import a batch from any producer of the Arrow C Device Data Interface
+        (``__arrow_c_device_array__``: cuDF, another dissoc batch...) or of host Arrow data
+        (``__arrow_c_array__``, uploaded), into this backend's memory: one device-to-device copy per buffer,
+        into IPC messages (see :mod:`dissoc.device.cdevice`)."""
+        backend = backend if backend is not None else get_backend()
+        got = import_device_array(obj, backend)
+        if isinstance(got, pa.RecordBatch):
+            return cls.from_arrow(got, backend=backend)
+        schema_metadata, messages = got
+        return cls(
+            schema_metadata,
+            [DeviceMessage(meta, body, did is not None, did, False) for meta, body, did in messages],
+            backend=backend,
+        )
+
+    # ------------------------------------------------------------------------------ C Device Data Interface
+
+    def __arrow_c_device_array__(
+        self, requested_schema: object | None = None, **kwargs: Any
+    ) -> tuple[object, object]:
+        """The Arrow PyCapsule interface for device data: ``(schema capsule, arrow_device_array capsule)``
+        over this batch's own device memory, no copy (see :mod:`dissoc.device.cdevice`). The batch is kept
+        alive until the consumer releases the array."""
+        for key, value in kwargs.items():
+            if value is not None:
+                raise NotImplementedError(f"__arrow_c_device_array__: the keyword {key!r} is not supported")
+        return export_device_array(self.backend, self.schema, self.num_rows, self.columns, self)
+
+    def __arrow_c_schema__(self) -> object:
+        """The batch's schema as an Arrow PyCapsule."""
+        return self.schema.__arrow_c_schema__()
 
     # -------------------------------------------------------------------------------------- host copy
 

@@ -25,6 +25,7 @@ imported on first use only; without it (or without a device) asking for device m
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import mmap
 import os
@@ -56,6 +57,12 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: ``ArrowDeviceType`` values of the Arrow C Device Data Interface (those of DLPack's ``DLDeviceType``).
+ARROW_DEVICE_CPU = 1
+ARROW_DEVICE_CUDA = 2
+ARROW_DEVICE_CUDA_HOST = 3
+ARROW_DEVICE_CUDA_MANAGED = 13
 
 #: Size of a CUDA IPC memory handle (``cudaIpcMemHandle_t``), and of the fake backend's handles.
 IPC_HANDLE_BYTES = 64
@@ -168,6 +175,30 @@ class DeviceBackend(Protocol):
 
     def from_xp(self, array: Any) -> DeviceArray:
         """An ndarray of :attr:`array_module` as a device array of this backend, over its memory (no copy)."""
+        ...
+
+    # The Arrow C Device Data Interface (dissoc.device.cdevice)
+
+    def pointer(self, array: DeviceArray) -> int:
+        """The address of ``array``'s first byte in this backend's memory."""
+        ...
+
+    def wrap(self, ptr: int, nbytes: int, owner: object) -> DeviceArray:
+        """A uint8 device array over ``nbytes`` at address ``ptr`` that someone else owns (no copy); it keeps
+        ``owner`` alive."""
+        ...
+
+    def arrow_device(self) -> tuple[int, int]:
+        """The Arrow C Device Data Interface's ``(device_type, device_id)`` of this backend's memory."""
+        ...
+
+    def record_event(self) -> tuple[object, int]:
+        """A sync event recorded on the current stream, for a consumer to wait on: ``(keep, address)``, the
+        address of a ``cudaEvent_t`` kept valid by ``keep`` (``(None, 0)``: nothing to wait for)."""
+        ...
+
+    def wait_event(self, address: int) -> None:
+        """Make the current stream wait for the producer's event at ``address`` (a ``cudaEvent_t*``)."""
         ...
 
 
@@ -373,6 +404,29 @@ class CupyBackend:
         result: DeviceArray = array
         return result
 
+    def pointer(self, array: DeviceArray) -> int:
+        return int(cast(Any, array).data.ptr)
+
+    def wrap(self, ptr: int, nbytes: int, owner: object) -> DeviceArray:
+        cp = self._cp
+        memory = cp.cuda.UnownedMemory(int(ptr), max(int(nbytes), 1), owner)
+        pointer = cp.cuda.MemoryPointer(memory, 0)
+        array: DeviceArray = cp.ndarray((int(nbytes),), dtype=cp.uint8, memptr=pointer)
+        return array
+
+    def arrow_device(self) -> tuple[int, int]:
+        return ARROW_DEVICE_CUDA, int(self._cp.cuda.runtime.getDevice())
+
+    def record_event(self) -> tuple[object, int]:
+        event = self._cp.cuda.Event(block=False, disable_timing=True)
+        event.record()
+        handle = np.array([int(event.ptr)], np.uint64)  # the cudaEvent_t the address points at
+        return (event, handle), int(handle.ctypes.data)
+
+    def wait_event(self, address: int) -> None:
+        handle = ctypes.c_uint64.from_address(address).value
+        self._cp.cuda.runtime.streamWaitEvent(self._cp.cuda.get_current_stream().ptr, handle, 0)
+
 
 # ----------------------------------------------------------------------------------------------------------
 # Fake device (host shared memory), for tests without a GPU
@@ -523,6 +577,25 @@ class FakeDeviceBackend:
         if not isinstance(array, np.ndarray):
             raise TypeError(f"expected a numpy.ndarray, got {type(array).__name__}")
         return FakeDeviceArray(array)
+
+    def pointer(self, array: DeviceArray) -> int:
+        return int(_fake_host(array).ctypes.data)
+
+    def wrap(self, ptr: int, nbytes: int, owner: object) -> FakeDeviceArray:
+        if nbytes == 0:
+            return FakeDeviceArray(np.empty(0, np.uint8))
+        host = np.ctypeslib.as_array((ctypes.c_uint8 * int(nbytes)).from_address(int(ptr)))
+        return FakeDeviceArray(np.asarray(_Owned(host, owner)))
+
+    def arrow_device(self) -> tuple[int, int]:
+        """The fake device's memory is host memory: ``ARROW_DEVICE_CPU``, device id -1, as pyarrow has it."""
+        return ARROW_DEVICE_CPU, -1
+
+    def record_event(self) -> tuple[object, int]:
+        return None, 0
+
+    def wait_event(self, address: int) -> None:
+        return None
 
 
 class FakeDeviceArray:

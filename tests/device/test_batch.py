@@ -931,3 +931,138 @@ def test_gpu_torch_takes_columns_without_copy(cupy_backend: Any) -> None:
         t = torch.from_dlpack(col)
         assert t.is_cuda and t.data_ptr() == col.data.data.ptr
         np.testing.assert_array_equal(t.cpu().numpy(), batch.column(name).to_numpy())
+
+
+# --------------------------------------------------------------------------------------------------
+# The Arrow C Device Data Interface (dissoc.device.cdevice), against pyarrow's implementation of it
+
+#: Cases whose every column crosses the interface (view types are refused, both ways, on the device).
+CDEVICE_CASES = sorted(k for k in CASES if k not in ("binary", "views"))
+
+
+def _device_struct(capsule: Any) -> tuple[int, int, int]:
+    """(device_id, device_type, sync_event) of an arrow_device_array capsule."""
+    import ctypes
+
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    address = get(capsule, b"arrow_device_array")
+    return (
+        ctypes.c_int64.from_address(address + 80).value,
+        ctypes.c_int32.from_address(address + 88).value,
+        ctypes.c_uint64.from_address(address + 96).value,
+    )
+
+
+@pytest.mark.parametrize("name", CDEVICE_CASES)
+def test_device_array_export_is_read_by_pyarrow(name: str) -> None:
+    """The fake device is host memory, so the exported ArrowDeviceArray says ARROW_DEVICE_CPU (device id
+    -1, no event, as pyarrow writes them) and pyarrow imports it: no copy, the batch's own bodies."""
+    batch = CASES[name]
+    db = DeviceBatch.from_arrow(batch)
+    schema_capsule, array_capsule = db.__arrow_c_device_array__()
+    assert _device_struct(array_capsule) == (-1, 1, 0)
+    got = pa.RecordBatch._import_from_c_device_capsule(schema_capsule, array_capsule)
+    assert_batch_equal(got, db.to_arrow(), f"{name}: pyarrow's import of the export")
+    # zero copy: the columns' own last buffers are inside the batch's body
+    body = FAKE.pointer(db.messages[-1].body)
+    for k, col in enumerate(db.columns):
+        if col.layout.layout in (Layout.FIXED, Layout.BOOL) and col.spans[1][1] and col.dictionary_id < 0:
+            address = got.column(k).buffers()[1].address
+            assert body <= address < body + db.messages[-1].body_length, col.name
+
+
+@pytest.mark.parametrize("name", CDEVICE_CASES)
+def test_device_array_import_from_pyarrow_and_from_a_device_batch(name: str) -> None:
+    batch = CASES[name]
+    before = FAKE.uploads
+    from_pyarrow = DeviceBatch.from_arrow_device(batch)
+    walked = FAKE.uploads == before  # device-to-device copies only; sliced host arrays go through pyarrow
+    assert walked or "sliced" in name or name == "ree"
+    want = DeviceBatch.from_arrow(batch).to_arrow()
+    assert_batch_equal(from_pyarrow.to_arrow(), want, f"{name} from pyarrow")
+    db = DeviceBatch.from_arrow(batch)
+    before = FAKE.uploads
+    again = DeviceBatch.from_arrow_device(db)
+    assert FAKE.uploads == before
+    assert again.messages[-1].body is not db.messages[-1].body  # a copy, in IPC layout
+    _check_layout(again)
+    assert_batch_equal(again.to_arrow(), db.to_arrow(), f"{name} from a device batch")
+
+
+def test_device_array_export_keeps_the_batch_alive_until_released() -> None:
+    import gc
+    import weakref
+
+    batch = CASES["nested"]
+    db = DeviceBatch.from_arrow(batch)
+    gone = weakref.ref(db)
+    schema_capsule, array_capsule = db.__arrow_c_device_array__()
+    del db
+    gc.collect()
+    assert gone() is not None  # the unconsumed capsule holds it
+    got = pa.RecordBatch._import_from_c_device_capsule(schema_capsule, array_capsule)
+    del array_capsule
+    gc.collect()
+    assert gone() is not None  # now pyarrow's batch does
+    assert_batch_equal(got, batch, "nested")
+    del got
+    gc.collect()
+    assert gone() is None
+    db = DeviceBatch.from_arrow(batch)
+    gone = weakref.ref(db)
+    capsules = db.__arrow_c_device_array__()
+    del db, capsules  # never consumed: the capsule's destructor releases it
+    gc.collect()
+    assert gone() is None
+
+
+def test_device_array_refusals() -> None:
+    views = DeviceBatch.from_arrow(CASES["views"])
+    with pytest.raises(DeviceInterfaceError, match="view types"):
+        views.__arrow_c_device_array__()
+    db = DeviceBatch.from_arrow(CASES["primitives"])
+    with pytest.raises(NotImplementedError, match="stream"):
+        db.__arrow_c_device_array__(stream=7)
+    assert db.__arrow_c_device_array__(stream=None)  # a keyword left at None is fine
+    with pytest.raises(DeviceInterfaceError, match="exports no Arrow device array"):
+        DeviceBatch.from_arrow_device(42)
+
+    class Cuda(CountingBackend):
+        def arrow_device(self) -> tuple[int, int]:
+            return 2, 0  # ARROW_DEVICE_CUDA
+
+    on_gpu = DeviceBatch.from_arrow(CASES["primitives"], backend=Cuda())
+    with pytest.raises(DeviceInterfaceError, match="device type 2"):
+        DeviceBatch.from_arrow_device(on_gpu)
+    assert pa.schema(on_gpu).equals(on_gpu.schema)  # __arrow_c_schema__
+
+
+def test_device_array_delta_dictionaries_are_refused() -> None:
+    data = pa_write_stream(DELTA_SCHEMA, DELTA_BATCHES, emit_dictionary_deltas=True)
+    _, got = _land(data, FAKE)
+    extended = [b for b in got if any(len(c.dictionary_chunks) > 1 for c in b.columns)]
+    assert extended, "the stream should extend a dictionary by a delta"
+    with pytest.raises(DeviceInterfaceError, match="delta"):
+        extended[0].__arrow_c_device_array__()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CDEVICE_CASES)
+def test_gpu_device_array_round_trip(name: str, cupy_backend: Any) -> None:
+    """On CuPy: ARROW_DEVICE_CUDA on the current device, with an event to wait on; imported back by a copy
+    on the device, equal."""
+    import cupy
+
+    db = DeviceBatch.from_arrow(CASES[name])
+    schema_capsule, array_capsule = db.__arrow_c_device_array__()
+    device_id, device_type, event = _device_struct(array_capsule)
+    assert (device_id, device_type) == (cupy.cuda.runtime.getDevice(), 2) and event != 0
+
+    class Producer:
+        def __arrow_c_device_array__(self, requested_schema: Any = None, **kwargs: Any) -> Any:
+            return schema_capsule, array_capsule
+
+    again = DeviceBatch.from_arrow_device(Producer())
+    assert all(isinstance(m.body, cupy.ndarray) for m in again.messages)
+    assert_batch_equal(again.to_arrow(), db.to_arrow(), f"{name} through the device interface")
