@@ -27,6 +27,13 @@ from dissoc.datasets.base import (
 )
 from dissoc.datasets.files import IpcFileDataset, IpcStreamDataset, ParquetDataset
 from dissoc.datasets.in_memory import DeviceDataset, ReaderFactoryDataset, TableDataset
+from dissoc.datasets.tabular import (
+    COMPRESSION_SUFFIXES,
+    TABULAR_SUFFIXES,
+    FileSystemDataset,
+    directory_dataset,
+    file_format,
+)
 from dissoc.errors import CodecError
 
 log = logging.getLogger(__name__)
@@ -75,7 +82,7 @@ def _sniff(path: Path) -> bytes:
 
 def _dataset_from_path(path: Path, name: str | None) -> Dataset:
     if path.is_dir():
-        return ParquetDataset(path, name)
+        return directory_dataset(path, name)
     if not path.exists():
         raise DatasetError(f"no such file or directory: {str(path)!r}")
     if not path.is_file():
@@ -93,10 +100,14 @@ def _dataset_from_path(path: Path, name: str | None) -> Dataset:
         return IpcStreamDataset(path, name)
     if suffix in PARQUET_SUFFIXES:
         raise CodecError(f"{str(path)!r}: expected Parquet magic {PARQUET_MAGIC!r}, found {head[:4]!r}")
+    if file_format(path) in ("csv", "tsv", "json"):
+        return FileSystemDataset(path, name)
     raise DatasetError(
         f"cannot tell what {str(path)!r} holds: expected an Arrow IPC file (magic {IPC_FILE_MAGIC!r}), an "
         f"IPC stream ({', '.join(sorted(IPC_STREAM_SUFFIXES))}), a Parquet file "
-        f"({', '.join(sorted(PARQUET_SUFFIXES))}) or a directory of Parquet files"
+        f"({', '.join(sorted(PARQUET_SUFFIXES))}), a CSV, TSV or newline-delimited JSON file "
+        f"({', '.join(sorted(TABULAR_SUFFIXES))}, each possibly compressed: "
+        f"{', '.join(sorted(COMPRESSION_SUFFIXES))}) or a directory of such files"
     )
 
 
