@@ -159,13 +159,22 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser(
-        "serve", help="serve Arrow IPC / Parquet files, each under the ticket of its file stem"
+        "serve",
+        help="serve Arrow IPC, Parquet, CSV and JSON files and directories, each under the ticket of its "
+        "file stem",
     )
     s.add_argument(
         "paths",
         nargs="*",
         metavar="PATH",
-        help="Arrow IPC file or stream, Parquet file or directory (or 'paths' from the environment/file)",
+        help="Arrow IPC file or stream, Parquet, CSV/TSV or newline-delimited JSON file, or a directory of "
+        "one of those formats (hive partitions become columns) (or 'paths' from the environment/file)",
+    )
+    s.add_argument(
+        "--per-file",
+        action="store_true",
+        help="serve each directory's files also one by one, as NAME/PATH-UNDER-IT, which --flight lists as "
+        "the directory's endpoints (read in order)",
     )
     s.add_argument(
         "--config",
@@ -484,7 +493,7 @@ def _tls_serve_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from dissoc.datasets import dataset_from
+    from dissoc.datasets import FileSystemDataset, dataset_from
     from dissoc.server import Server, ServerOptions
     from dissoc.tokens import Secret, load_secret
 
@@ -496,9 +505,12 @@ async def _serve(args: argparse.Namespace) -> int:
             "can read every dataset (see 'Running on a cluster' in the README)\n"
         )
 
+    if args.per_file and args.device:
+        raise DissocError("--per-file does not combine with --device (serve the files one by one)")
     datasets: dict[str, Any] = {}
     for path in args.paths:
-        ds = dataset_from(path)
+        per_file = args.per_file and Path(path).is_dir()
+        ds = FileSystemDataset(path, per_file=True) if per_file else dataset_from(path)
         if ds.name in datasets:
             raise DissocError(f"two paths would be served under the same ticket {ds.name!r}")
         datasets[ds.name] = ds
@@ -540,8 +552,10 @@ async def _serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        for name in datasets:
+        for name, ds in datasets.items():
             line: dict[str, Any] = {"ticket": name, "uri": server.uri, "data_uri": server.data_uri}
+            if ds.parts:
+                line["parts"] = [part.name for part in ds.parts]
             if flight_location is not None:
                 line["flight"] = flight_location
             if metrics_url is not None:
