@@ -111,6 +111,31 @@ def _connections(text: str) -> int | str | None:
     return "auto" if text == "auto" else _limit(text)
 
 
+#: What ``dissoc get -o`` writes, by kind: (what it is called, the suffixes that choose it).
+_OUTPUT_SUFFIXES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "ipc": ("an Arrow IPC file", (".arrow", ".feather", ".ipc")),
+    "ipc-stream": ("an Arrow IPC stream", (".arrows", ".stream")),
+    "parquet": ("Parquet", (".parquet", ".parq")),
+    "csv": ("CSV", (".csv",)),
+}
+
+
+def _output_kind(path: str) -> str | None:
+    suffix = Path(path).suffix.lower()
+    return next((kind for kind, (_, suffixes) in _OUTPUT_SUFFIXES.items() if suffix in suffixes), None)
+
+
+def _output(text: str) -> str:
+    """``-o FILE``: a path whose suffix names a format ``dissoc get`` writes; anything else is a usage
+    error."""
+    if _output_kind(text) is None:
+        known = ", ".join(s for _, suffixes in _OUTPUT_SUFFIXES.values() for s in suffixes)
+        raise argparse.ArgumentTypeError(
+            f"cannot tell what to write to {text!r}: its suffix must be one of {known}"
+        )
+    return text
+
+
 #: Environment variables read when the flags are not given (never the secret itself: a file holding it).
 SECRET_FILE_ENV = "DISSOC_SECRET_FILE"
 TOKEN_ENV = "DISSOC_TOKEN"
@@ -354,7 +379,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("ticket")
     g.add_argument("--data-uri", default=None, help="data URI when the servers are split")
     g.add_argument(
-        "-o", "--output", default=None, help="write an Arrow IPC file (.arrow) or stream (.arrows)"
+        "-o",
+        "--output",
+        type=_output,
+        default=None,
+        metavar="FILE",
+        help="write what was fetched, batch by batch, as FILE's suffix says: "
+        + ", ".join(f"{what} ({', '.join(suffixes)})" for what, suffixes in _OUTPUT_SUFFIXES.values()),
     )
     g.add_argument("--timeout", type=float, default=30.0)
     _keepalive_flag(g)
@@ -673,13 +704,58 @@ async def _get(args: argparse.Namespace) -> int:
     return 0
 
 
-def _open_writer(path: str, schema: Any) -> Any:
-    from dissoc import codec
+def _open_writer(path: str, schema: Any) -> _Output:
+    return _Output(path, schema)
 
-    suffix = Path(path).suffix.lower()
-    if suffix in (".arrows", ".stream"):
-        return codec.new_stream(path, schema)
-    return codec.new_file(path, schema)
+
+class _Output:
+    """``dissoc get -o FILE``: the batches written one at a time, in the format FILE's suffix names (an
+    Arrow IPC file or stream, Parquet, CSV). A write that fails is a DissocError naming the file."""
+
+    def __init__(self, path: str, schema: Any) -> None:
+        import pyarrow as pa
+
+        from dissoc import codec
+
+        self.path = path
+        self.kind = _output_kind(path)
+        assert self.kind is not None  # checked when the arguments were parsed
+        self.what = _OUTPUT_SUFFIXES[self.kind][0]
+        try:
+            if self.kind == "ipc":
+                self._writer: Any = codec.new_file(path, schema)
+            elif self.kind == "ipc-stream":
+                self._writer = codec.new_stream(path, schema)
+            elif self.kind == "parquet":
+                import pyarrow.parquet as pq
+
+                self._writer = pq.ParquetWriter(path, schema)
+            else:
+                import pyarrow.csv as pacsv
+
+                self._writer = pacsv.CSVWriter(path, schema)
+        except (OSError, pa.ArrowException) as e:
+            raise DissocError(f"cannot write {path!r} as {self.what}: {_arrow_reason(e)}") from None
+
+    def write_batch(self, batch: Any) -> None:
+        import pyarrow as pa
+
+        try:
+            self._writer.write_batch(batch)
+        except (OSError, pa.ArrowException) as e:
+            raise DissocError(f"writing {self.path!r} as {self.what} failed: {_arrow_reason(e)}") from None
+
+    def close(self) -> None:
+        import pyarrow as pa
+
+        try:
+            self._writer.close()
+        except (OSError, pa.ArrowException) as e:
+            raise DissocError(f"closing {self.path!r} failed: {_arrow_reason(e)}") from None
+
+
+def _arrow_reason(error: BaseException) -> str:
+    return str(error).split(". Detail: ", 1)[0].strip() or type(error).__name__
 
 
 # --------------------------------------------------------------------------------------------------- token
