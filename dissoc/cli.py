@@ -198,8 +198,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--per-file",
         action="store_true",
-        help="serve each directory's files also one by one, as NAME/PATH-UNDER-IT, which --flight lists as "
-        "the directory's endpoints (read in order)",
+        help="also serve each directory's files one by one, each as NAME/PATH (its path under the "
+        "directory), which --flight lists as the directory's endpoints, read in order",
     )
     s.add_argument(
         "--config",
