@@ -111,6 +111,31 @@ def _connections(text: str) -> int | str | None:
     return "auto" if text == "auto" else _limit(text)
 
 
+#: What ``dissoc get -o`` writes, by kind: (what it is called, the suffixes that choose it).
+_OUTPUT_SUFFIXES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "ipc": ("an Arrow IPC file", (".arrow", ".feather", ".ipc")),
+    "ipc-stream": ("an Arrow IPC stream", (".arrows", ".stream")),
+    "parquet": ("Parquet", (".parquet", ".parq")),
+    "csv": ("CSV", (".csv",)),
+}
+
+
+def _output_kind(path: str) -> str | None:
+    suffix = Path(path).suffix.lower()
+    return next((kind for kind, (_, suffixes) in _OUTPUT_SUFFIXES.items() if suffix in suffixes), None)
+
+
+def _output(text: str) -> str:
+    """``-o FILE``: a path whose suffix names a format ``dissoc get`` writes; anything else is a usage
+    error."""
+    if _output_kind(text) is None:
+        known = ", ".join(s for _, suffixes in _OUTPUT_SUFFIXES.values() for s in suffixes)
+        raise argparse.ArgumentTypeError(
+            f"cannot tell what to write to {text!r}: its suffix must be one of {known}"
+        )
+    return text
+
+
 #: Environment variables read when the flags are not given (never the secret itself: a file holding it).
 SECRET_FILE_ENV = "DISSOC_SECRET_FILE"
 TOKEN_ENV = "DISSOC_TOKEN"
@@ -159,13 +184,22 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser(
-        "serve", help="serve Arrow IPC / Parquet files, each under the ticket of its file stem"
+        "serve",
+        help="serve Arrow IPC, Parquet, CSV and JSON files and directories, each under the ticket of its "
+        "file stem",
     )
     s.add_argument(
         "paths",
         nargs="*",
         metavar="PATH",
-        help="Arrow IPC file or stream, Parquet file or directory (or 'paths' from the environment/file)",
+        help="Arrow IPC file or stream, Parquet, CSV/TSV or newline-delimited JSON file, or a directory of "
+        "one of those formats (hive partitions become columns) (or 'paths' from the environment/file)",
+    )
+    s.add_argument(
+        "--per-file",
+        action="store_true",
+        help="also serve each directory's files one by one, each as NAME/PATH (its path under the "
+        "directory), which --flight lists as the directory's endpoints, read in order",
     )
     s.add_argument(
         "--config",
@@ -345,7 +379,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("ticket")
     g.add_argument("--data-uri", default=None, help="data URI when the servers are split")
     g.add_argument(
-        "-o", "--output", default=None, help="write an Arrow IPC file (.arrow) or stream (.arrows)"
+        "-o",
+        "--output",
+        type=_output,
+        default=None,
+        metavar="FILE",
+        help="write what was fetched, batch by batch, as FILE's suffix says: "
+        + ", ".join(f"{what} ({', '.join(suffixes)})" for what, suffixes in _OUTPUT_SUFFIXES.values()),
     )
     g.add_argument("--timeout", type=float, default=30.0)
     _keepalive_flag(g)
@@ -484,7 +524,7 @@ def _tls_serve_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from dissoc.datasets import dataset_from
+    from dissoc.datasets import FileSystemDataset, dataset_from
     from dissoc.server import Server, ServerOptions
     from dissoc.tokens import Secret, load_secret
 
@@ -496,9 +536,12 @@ async def _serve(args: argparse.Namespace) -> int:
             "can read every dataset (see 'Running on a cluster' in the README)\n"
         )
 
+    if args.per_file and args.device:
+        raise DissocError("--per-file does not combine with --device (serve the files one by one)")
     datasets: dict[str, Any] = {}
     for path in args.paths:
-        ds = dataset_from(path)
+        per_file = args.per_file and Path(path).is_dir()
+        ds = FileSystemDataset(path, per_file=True) if per_file else dataset_from(path)
         if ds.name in datasets:
             raise DissocError(f"two paths would be served under the same ticket {ds.name!r}")
         datasets[ds.name] = ds
@@ -540,8 +583,10 @@ async def _serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        for name in datasets:
+        for name, ds in datasets.items():
             line: dict[str, Any] = {"ticket": name, "uri": server.uri, "data_uri": server.data_uri}
+            if ds.parts:
+                line["parts"] = [part.name for part in ds.parts]
             if flight_location is not None:
                 line["flight"] = flight_location
             if metrics_url is not None:
@@ -659,13 +704,58 @@ async def _get(args: argparse.Namespace) -> int:
     return 0
 
 
-def _open_writer(path: str, schema: Any) -> Any:
-    from dissoc import codec
+def _open_writer(path: str, schema: Any) -> _Output:
+    return _Output(path, schema)
 
-    suffix = Path(path).suffix.lower()
-    if suffix in (".arrows", ".stream"):
-        return codec.new_stream(path, schema)
-    return codec.new_file(path, schema)
+
+class _Output:
+    """``dissoc get -o FILE``: the batches written one at a time, in the format FILE's suffix names (an
+    Arrow IPC file or stream, Parquet, CSV). A write that fails is a DissocError naming the file."""
+
+    def __init__(self, path: str, schema: Any) -> None:
+        import pyarrow as pa
+
+        from dissoc import codec
+
+        self.path = path
+        self.kind = _output_kind(path)
+        assert self.kind is not None  # checked when the arguments were parsed
+        self.what = _OUTPUT_SUFFIXES[self.kind][0]
+        try:
+            if self.kind == "ipc":
+                self._writer: Any = codec.new_file(path, schema)
+            elif self.kind == "ipc-stream":
+                self._writer = codec.new_stream(path, schema)
+            elif self.kind == "parquet":
+                import pyarrow.parquet as pq
+
+                self._writer = pq.ParquetWriter(path, schema)
+            else:
+                import pyarrow.csv as pacsv
+
+                self._writer = pacsv.CSVWriter(path, schema)
+        except (OSError, pa.ArrowException) as e:
+            raise DissocError(f"cannot write {path!r} as {self.what}: {_arrow_reason(e)}") from None
+
+    def write_batch(self, batch: Any) -> None:
+        import pyarrow as pa
+
+        try:
+            self._writer.write_batch(batch)
+        except (OSError, pa.ArrowException) as e:
+            raise DissocError(f"writing {self.path!r} as {self.what} failed: {_arrow_reason(e)}") from None
+
+    def close(self) -> None:
+        import pyarrow as pa
+
+        try:
+            self._writer.close()
+        except (OSError, pa.ArrowException) as e:
+            raise DissocError(f"closing {self.path!r} failed: {_arrow_reason(e)}") from None
+
+
+def _arrow_reason(error: BaseException) -> str:
+    return str(error).split(". Detail: ", 1)[0].strip() or type(error).__name__
 
 
 # --------------------------------------------------------------------------------------------------- token

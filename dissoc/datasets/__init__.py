@@ -6,6 +6,8 @@ iterator of ``pa.RecordBatch`` that reads batch by batch, so a 10 GiB file never
 - :mod:`~dissoc.datasets.base`: the interface and its errors;
 - :mod:`~dissoc.datasets.in_memory`: a ``pa.Table``, device batches, a reader factory;
 - :mod:`~dissoc.datasets.files`: Arrow IPC files (memory-mapped, zero-copy) and streams, Parquet;
+- :mod:`~dissoc.datasets.tabular`: CSV and newline-delimited JSON files, and directories of Parquet, CSV,
+  JSON or IPC files with hive partitions, read through ``pyarrow.dataset``;
 - :mod:`~dissoc.datasets.generated`: deterministic synthetic data;
 - :mod:`~dissoc.datasets.catalog`: :func:`dataset_from` (the right dataset for a table, a callable or a
   path) and :class:`Catalog`, the thread-safe registry that maps tickets to datasets;
@@ -20,12 +22,14 @@ from dissoc.datasets.catalog import Catalog, dataset_from
 from dissoc.datasets.files import IpcFileDataset, IpcStreamDataset, ParquetDataset
 from dissoc.datasets.generated import GeneratedDataset
 from dissoc.datasets.in_memory import DeviceDataset, ReaderFactoryDataset, TableDataset
+from dissoc.datasets.tabular import FileSystemDataset
 
 __all__ = [
     "Catalog",
     "Dataset",
     "DatasetError",
     "DeviceDataset",
+    "FileSystemDataset",
     "GeneratedDataset",
     "IpcFileDataset",
     "IpcStreamDataset",

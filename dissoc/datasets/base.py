@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeAlias
 
@@ -83,6 +83,14 @@ class Dataset(abc.ABC):
     def nbytes(self) -> int | None:
         """Approximate size of the data in bytes, when known cheaply; otherwise ``None``."""
         return None
+
+    @property
+    def parts(self) -> Sequence[Dataset]:
+        """Datasets of their own that this one is also served as, in order, each named ``NAME/...`` (a
+        directory's files, with ``FileSystemDataset(per_file=True)``): a server serves each under its name
+        too, and a Flight control plane lists them as this dataset's endpoints. None by default (a dataset
+        served under another name than its own has none: its parts' names would not lie under it)."""
+        return ()
 
     @property
     def closed(self) -> bool:

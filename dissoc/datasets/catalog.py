@@ -27,6 +27,13 @@ from dissoc.datasets.base import (
 )
 from dissoc.datasets.files import IpcFileDataset, IpcStreamDataset, ParquetDataset
 from dissoc.datasets.in_memory import DeviceDataset, ReaderFactoryDataset, TableDataset, table_of
+from dissoc.datasets.tabular import (
+    COMPRESSION_SUFFIXES,
+    TABULAR_SUFFIXES,
+    FileSystemDataset,
+    directory_dataset,
+    file_format,
+)
 from dissoc.errors import CodecError
 
 log = logging.getLogger(__name__)
@@ -75,7 +82,7 @@ def _sniff(path: Path) -> bytes:
 
 def _dataset_from_path(path: Path, name: str | None) -> Dataset:
     if path.is_dir():
-        return ParquetDataset(path, name)
+        return directory_dataset(path, name)
     if not path.exists():
         raise DatasetError(f"no such file or directory: {str(path)!r}")
     if not path.is_file():
@@ -93,10 +100,14 @@ def _dataset_from_path(path: Path, name: str | None) -> Dataset:
         return IpcStreamDataset(path, name)
     if suffix in PARQUET_SUFFIXES:
         raise CodecError(f"{str(path)!r}: expected Parquet magic {PARQUET_MAGIC!r}, found {head[:4]!r}")
+    if file_format(path) in ("csv", "tsv", "json"):
+        return FileSystemDataset(path, name)
     raise DatasetError(
         f"cannot tell what {str(path)!r} holds: expected an Arrow IPC file (magic {IPC_FILE_MAGIC!r}), an "
         f"IPC stream ({', '.join(sorted(IPC_STREAM_SUFFIXES))}), a Parquet file "
-        f"({', '.join(sorted(PARQUET_SUFFIXES))}) or a directory of Parquet files"
+        f"({', '.join(sorted(PARQUET_SUFFIXES))}), a CSV, TSV or newline-delimited JSON file "
+        f"({', '.join(sorted(TABULAR_SUFFIXES))}, each possibly compressed: "
+        f"{', '.join(sorted(COMPRESSION_SUFFIXES))}) or a directory of such files"
     )
 
 
@@ -120,7 +131,8 @@ def dataset_from(obj: object, name: str | None = None) -> Dataset:
     ``__name__``),
     or a path: an Arrow IPC file (recognised by its ``ARROW1`` magic whatever the extension), an IPC
     stream (``.arrows``, ``.stream``, or an ``.arrow``/``.feather``/``.ipc`` file without the file magic), a
-    Parquet file (``.parquet``, ``.parq``, or ``PAR1`` magic) or a directory of Parquet files; ``name``
+    Parquet file (``.parquet``, ``.parq``, or ``PAR1`` magic), a CSV, TSV or newline-delimited JSON file, or a
+    directory of Parquet, CSV, TSV, JSON or Arrow IPC files (hive partitions become columns); ``name``
     defaults to the file's stem. Anything else raises :class:`DatasetError`.
     """
     if isinstance(obj, Dataset):
@@ -159,7 +171,7 @@ def dataset_from(obj: object, name: str | None = None) -> Dataset:
     raise DatasetError(
         f"cannot serve a {type(obj).__name__}: expected a Dataset, pyarrow.Table, pyarrow.RecordBatch, an "
         "object with __arrow_c_stream__ (a DataFrame, a reader...), a callable returning one or a "
-        "pyarrow.RecordBatchReader, or a path to an Arrow IPC or Parquet file or directory"
+        "pyarrow.RecordBatchReader, or a path to an Arrow IPC, Parquet, CSV or JSON file or a directory"
     )
 
 

@@ -27,6 +27,7 @@ from dissoc.codec import MessageEncoder, iter_messages
 from dissoc.datasets.base import Dataset, DatasetError
 from dissoc.datasets.files import IpcFileDataset, IpcStreamDataset, ParquetDataset
 from dissoc.datasets.in_memory import DeviceDataset, TableDataset
+from dissoc.datasets.tabular import FileSystemDataset
 
 __all__ = ["DatasetMessage", "dataset_messages", "device_bodies", "message_chunks", "same_every_time"]
 
@@ -49,14 +50,14 @@ async def _batches(dataset: Dataset) -> AsyncIterator[pa.RecordBatch]:
     """The dataset's batches. In-memory and memory-mapped ones are read on the event loop; the others
     (Parquet, generated, user factories) in a worker thread, so that one slow read stalls no other client.
 
-    Parquet is read one batch ahead (the next batch is decoded while this one is sent, which keeps a normal
-    client's throughput; ``ParquetDataset(read_ahead=False)``: none), and no further: reading is pulled by
-    sending, so a client that stops reading makes the server hold the batch being sent and the next one,
-    whatever the file's size.
+    Parquet, CSV and JSON are read one batch ahead (the next batch is decoded while this one is sent, which
+    keeps a normal client's throughput; ``read_ahead=False`` on the dataset: none), and no further: reading
+    is pulled by sending, so a client that stops reading makes the server hold the batch being sent and the
+    next one, whatever the file's size.
     """
     iterator: Iterator[pa.RecordBatch] = dataset.open()
     inline = isinstance(dataset, (TableDataset, IpcFileDataset))
-    ahead = isinstance(dataset, ParquetDataset) and dataset.read_ahead
+    ahead = isinstance(dataset, ParquetDataset | FileSystemDataset) and dataset.read_ahead
     sentinel = object()
     pending: asyncio.Future[object] | None = None
     try:

@@ -4,7 +4,9 @@ The server half: :class:`FlightControlPlane` and :func:`serve_with_flight`.
 
 Flight clients discover datasets here and get, per endpoint, the ticket and two locations: the dissoc
 metadata URI, then the data URI (``tcp://H:P?want_data=N...``, exactly :attr:`Server.uri` and
-:attr:`Server.data_uri`); the batches then move over Dissociated IPC. For clients that speak only Flight,
+:attr:`Server.data_uri`); the batches then move over Dissociated IPC. A dataset has one endpoint, its own
+ticket, or, when it is served in parts (:attr:`Dataset.parts <dissoc.datasets.Dataset.parts>`: a directory
+served per file), one endpoint per part, the part's ticket, in order. For clients that speak only Flight,
 DoGet streams the same datasets over gRPC, DoPut publishes a dataset into the running server, and actions
 remove datasets and list tickets::
 
@@ -236,12 +238,16 @@ class _Handlers:
         flight = flight_module()
         described = self.server.catalog.describe(name)
         locations = [flight.Location(self.server.uri), flight.Location(self.server.data_uri)]
-        endpoint = flight.FlightEndpoint(self._ticket(name, claims), locations)
+        # A dataset served in parts (a directory per file) is listed as one endpoint per part, in order:
+        # parts named NAME/..., which whatever grants NAME grants too.
+        parts = [part.name for part in self.server.catalog.get(name).parts]
+        tickets = parts if parts and all(p.startswith(f"{name}/") for p in parts) else [name]
+        endpoints = [flight.FlightEndpoint(self._ticket(t, claims), locations) for t in tickets]
         rows, nbytes = described["num_rows"], described["nbytes"]
         return flight.FlightInfo(
             described["schema"],
             descriptor,
-            [endpoint],
+            endpoints,
             -1 if rows is None else int(rows),
             -1 if nbytes is None else int(nbytes),
         )

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Any, Self
 
-from dissoc.datasets import Catalog, Dataset
+from dissoc.datasets import Catalog, Dataset, UnknownTicket
 from dissoc.memory.cuda_arena import DeviceArena
 from dissoc.memory.pairs import ServedArena
 from dissoc.memory.placements import Placements
@@ -70,7 +70,7 @@ class Server:
         self.secret: Secret | None = options.secret
         self.catalog = Catalog()
         for name, obj in (datasets or {}).items():
-            self.catalog.add(name, obj)
+            self._add_parts(self.catalog.add(name, obj))
         limit = options.max_receiving_bytes
         #: Shared by every connection of this server (both ports when split).
         self.receive_budget = ReceiveBudget(limit) if limit is not None else None
@@ -170,20 +170,55 @@ class Server:
     def add(self, name: str, obj: Any, *, replace: bool = False) -> Dataset:
         """Serve another dataset (at once, to new requests). Safe from any thread (the catalog locks).
 
-        A replaced dataset's resident placements are dropped (each when no client holds it any more)."""
+        A dataset with :attr:`~dissoc.datasets.Dataset.parts` (a directory served per file) is served with
+        each part under the part's own name (``NAME/PATH``) too. A replaced dataset's resident placements
+        are dropped (each when no client holds it any more), and so are its parts."""
+        old = self.catalog.get(name) if replace and name in self.catalog else None
         dataset = self.catalog.add(name, obj, replace=replace)
+        if old is not None and old is not dataset:
+            self._remove_parts(old)
         if self.placements is not None:
             self.placements.forget(dataset.name)
+        try:
+            self._add_parts(dataset)
+        except BaseException:
+            self.catalog.remove(dataset.name)
+            raise
         return dataset
 
     def remove(self, name: str) -> Dataset:
-        """Stop serving a dataset to new requests (streams already running finish). Safe from any thread.
+        """Stop serving a dataset to new requests (streams already running finish), and its parts. Safe
+        from any thread.
 
         Its resident placements are dropped (each when no client holds it any more)."""
         dataset = self.catalog.remove(name)
         if self.placements is not None:
             self.placements.forget(dataset.name)
+        self._remove_parts(dataset)
         return dataset
+
+    def _add_parts(self, dataset: Dataset) -> None:
+        """Serve each of the dataset's parts under its name: all of them, or none when a name is taken."""
+        added: list[str] = []
+        try:
+            for part in dataset.parts:
+                added.append(self.catalog.add(part.name, part).name)
+        except BaseException:
+            for done in added:
+                self.catalog.remove(done)
+            raise
+
+    def _remove_parts(self, dataset: Dataset) -> None:
+        """Stop serving the dataset's parts (those still served as they were added)."""
+        for part in dataset.parts:
+            try:
+                if self.catalog.get(part.name) is not part:
+                    continue
+                self.catalog.remove(part.name)
+            except UnknownTicket:  # removed meanwhile
+                continue
+            if self.placements is not None:
+                self.placements.forget(part.name)
 
     async def start(self) -> Self:
         for s in self._servers:

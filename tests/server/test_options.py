@@ -65,6 +65,7 @@ OLD_DEFAULTS: dict[str, Any] = {
 #: ``dissoc serve``'s options that are the command line's own, not the server's.
 CLI_ONLY = {
     "paths",
+    "per_file",
     "config",
     "log_format",
     "log_level",
