@@ -12,6 +12,13 @@ driver's own interpreter (``sys.executable``); elsewhere point ``PYSPARK_PYTHON`
 ``register(spark, check=True)`` runs a tiny job that proves the workers can import dissoc (and raises a
 DissocError saying what to set if they cannot).
 
+**Spark Connect.** With a ``SparkSession.builder.remote("sc://...")`` session everything below works the
+same (the exchange in ``mapInArrow(..., barrier=True)``: Connect has no RDDs), but the workers are the
+Connect server's: ``register`` leaves their Python to the server (start it with ``PYSPARK_PYTHON`` or
+``spark.pyspark.python`` naming an interpreter with dissoc[spark]) and says so at INFO; the check probes them
+through ``spark.range(...).mapInArrow``. Options (locations, TLS files) are read where the server runs;
+:func:`written` and :func:`last_write` run in the client.
+
 **Reading** — one Spark partition per dissoc stream; each task reads its stream with the dissoc client::
 
     dissoc.spark.register(spark)
@@ -84,8 +91,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -167,6 +175,11 @@ def _set_worker_python(spark: SparkSession) -> None:
     )
 
 
+def _is_connect(spark: SparkSession) -> bool:
+    """Whether ``spark`` is a Spark Connect session (told by its class: imports nothing Connect-only)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect.")
+
+
 def register(spark: SparkSession, *, check: bool = False) -> None:
     """Register the ``dissoc`` data source with ``spark`` (and choose the workers' Python, see above).
 
@@ -175,7 +188,14 @@ def register(spark: SparkSession, *, check: bool = False) -> None:
     require_pyspark()
     from dissoc.spark._source import DissocDataSource
 
-    _set_worker_python(spark)
+    if _is_connect(spark):
+        log.info(
+            "Spark Connect session: the Python workers are the Connect server's, which chooses their "
+            "interpreter (PYSPARK_PYTHON or spark.pyspark.python where the server starts); it must have "
+            "dissoc[spark] installed (dissoc.spark.check_workers(spark) checks)"
+        )
+    else:
+        _set_worker_python(spark)
     spark.dataSource.register(DissocDataSource)
     log.info("registered the dissoc data source")
     if check:
@@ -188,22 +208,54 @@ def _probe(_: object) -> tuple[str, str]:
     return sys.executable, dissoc.__version__
 
 
+def _probe_batches(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """:func:`_probe` as a ``mapInArrow`` function: one row per partition."""
+    for _ in batches:
+        pass
+    python, version = _probe(None)
+    yield pa.record_batch({"python": [python], "version": [version]})
+
+
+#: Rows of the Connect probe's ``spark.range``, which Spark splits into its default parallelism.
+_CONNECT_PROBE_ROWS = 1024
+_PROBE_SCHEMA = "python string, version string"
+
+
+def _probe_workers(spark: SparkSession) -> list[tuple[str, str]]:
+    """Run :func:`_probe` on every default task slot: through the RDD API in a classic session, through a
+    ``mapInArrow`` DataFrame over Spark Connect (which has no RDDs)."""
+    if _is_connect(spark):
+        probed = spark.range(0, _CONNECT_PROBE_ROWS).mapInArrow(_probe_batches, _PROBE_SCHEMA)
+        return sorted({(str(r.python), str(r.version)) for r in probed.collect()})
+    sc = spark.sparkContext
+    slots = max(1, int(sc.defaultParallelism))
+    return sorted(set(sc.parallelize(range(slots), slots).map(_probe).collect()))
+
+
 def check_workers(spark: SparkSession) -> list[tuple[str, str]]:
     """Run a tiny job proving the Python workers can import dissoc; returns ``(python, dissoc version)``s.
 
-    Raises DissocError, saying what to configure, when they cannot.
+    Works with classic and Spark Connect sessions. Raises DissocError, saying what to configure, when they
+    cannot.
     """
     require_pyspark()
-    sc = spark.sparkContext
-    slots = max(1, int(sc.defaultParallelism))
     try:
-        found = sorted(set(sc.parallelize(range(slots), slots).map(_probe).collect()))
+        found = _probe_workers(spark)
     except Exception as e:
         text = str(e)
         if "No module named 'dissoc'" in text or "ModuleNotFoundError" in text:
+            if _is_connect(spark):
+                missing = re.search(r"No module named '[^']+'", text)
+                raise DissocError(
+                    "the Spark Connect server's Python workers cannot import dissoc"
+                    f"{f' ({missing[0]})' if missing else ''}: start the server with PYSPARK_PYTHON "
+                    "(or --conf spark.pyspark.python) naming an interpreter with dissoc[spark] installed on "
+                    "every executor"
+                ) from None
             raise DissocError(
-                f"Spark's Python workers ({sc.pythonExec!r}) cannot import dissoc: set PYSPARK_PYTHON or "
-                "spark.pyspark.python to an interpreter with dissoc[spark] installed on every executor"
+                f"Spark's Python workers ({spark.sparkContext.pythonExec!r}) cannot import dissoc: set "
+                "PYSPARK_PYTHON or spark.pyspark.python to an interpreter with dissoc[spark] installed on "
+                "every executor"
             ) from None
         raise DissocError(
             f"checking Spark's Python workers failed: {text.splitlines()[0] if text else e}"

@@ -211,6 +211,18 @@ def test_spark_schema_maps_every_awkward_type() -> None:
         dissoc.spark.spark_type(pa.dense_union([pa.field("a", pa.int8())]))
 
 
+# ------------------------------------------------------------------------------------------ registering
+
+
+@spark_only
+def test_check_workers_finds_the_drivers_interpreter(spark: Any) -> None:
+    """A classic local session: ``register`` (in the fixture) pointed the workers at this interpreter."""
+    import dissoc.spark
+
+    assert not dissoc.spark._is_connect(spark)
+    assert dissoc.spark.check_workers(spark) == [(sys.executable, dissoc.__version__)]
+
+
 # ---------------------------------------------------------------------------------------------- reading
 
 
