@@ -335,6 +335,7 @@ class StreamReader:
         options: ClientOptions | None = None,
     ) -> None:
         self.stats = FetchStats()
+        self._landing = options.landing if options is not None else "host"
         self._schema: pa.Schema | None = None
         self._pending: deque[Batch] = deque()
         self._watch: Session | None = None
@@ -425,6 +426,41 @@ class StreamReader:
         the stream as it arrives (see :meth:`to_reader`). ``requested_schema`` is passed on to pyarrow, which
         casts to it or raises."""
         return self.to_reader().__arrow_c_stream__(requested_schema)
+
+    def __arrow_c_device_stream__(self, requested_schema: object | None = None, **kwargs: Any) -> object:
+        """The Arrow PyCapsule interface for device data: the rest of the stream as an
+        ``ArrowDeviceArrayStream`` (see :mod:`dissoc.device.cstream`). With ``landing="device"`` each batch
+        is a :class:`~dissoc.device.DeviceBatch`'s own device memory (``ARROW_DEVICE_CUDA`` with CuPy), else
+        host memory (``ARROW_DEVICE_CPU``). ``requested_schema`` is not applied. Releasing the stream after
+        reading from it closes this stream."""
+        for key, value in kwargs.items():
+            if value is not None:
+                raise NotImplementedError(f"__arrow_c_device_stream__: the keyword {key!r} is not supported")
+        from dissoc.device.cstream import export_device_stream
+
+        if self._landing == "device":
+            from dissoc.memory.cuda import get_backend
+
+            device_type = get_backend().arrow_device()[0]
+        else:
+            device_type = 1  # ARROW_DEVICE_CPU
+        return export_device_stream(
+            self.schema,
+            device_type,
+            self._next_or_none,
+            lambda batch: batch.__arrow_c_device_array__(),
+            self._finish_export,
+        )
+
+    def _next_or_none(self) -> Batch | None:
+        try:
+            return self.read_next_batch()
+        except StopIteration:
+            return None
+
+    def _finish_export(self, started: bool) -> None:
+        if started:
+            self.close()
 
     def __arrow_c_schema__(self) -> object:
         """The stream's schema as an Arrow PyCapsule (waits for the schema message)."""

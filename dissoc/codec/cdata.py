@@ -30,6 +30,7 @@ __all__ = [
     "export_array",
     "give_release",
     "import_batch",
+    "native_function",
     "view_as",
 ]
 
@@ -137,22 +138,17 @@ class _PrivateDataPool:
 _pool = _PrivateDataPool()
 
 
-def _mark_released_function() -> int:
-    """Address of a native ``void f(struct ArrowArray* a) { a->release = NULL; }``, or 0 if unavailable.
-
-    Child structs own nothing (their parent's release frees everything), so all their release needs to do is
-    mark them released; Arrow checks that it did. Writing it as two machine instructions avoids both a
-    Python callback (unsafe, see the module docstring) and one exported private data per node.
-    """
+def native_function(*, x86_64: str, aarch64: list[int]) -> int:
+    """The address of a machine-code function of this machine's architecture (``x86_64`` as hex bytes,
+    ``aarch64`` as 32-bit instruction words), in an executable page kept for the process's life; 0 on other
+    architectures or where no executable page can be had."""
     import platform
 
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64"):
-        code = bytes.fromhex("48c7474000000000c3")  # mov qword [rdi+64], 0 ; ret
+        code = bytes.fromhex(x86_64)
     elif machine in ("aarch64", "arm64"):
-        code = (0xF900201F).to_bytes(4, "little") + (0xD65F03C0).to_bytes(
-            4, "little"
-        )  # str xzr,[x0,#64]; ret
+        code = b"".join(word.to_bytes(4, "little") for word in aarch64)
     else:
         return 0
     try:
@@ -165,6 +161,22 @@ def _mark_released_function() -> int:
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(page))
     _keep_page.append(page)
     addr: int = ctypes.addressof(ctypes.c_char.from_buffer(page))
+    return addr
+
+
+def _mark_released_function() -> int:
+    """Address of a native ``void f(struct ArrowArray* a) { a->release = NULL; }``, or 0 if unavailable.
+
+    Child structs own nothing (their parent's release frees everything), so all their release needs to do is
+    mark them released; Arrow checks that it did. Writing it as two machine instructions avoids both a
+    Python callback (unsafe, see the module docstring) and one exported private data per node.
+    """
+    addr = native_function(
+        x86_64="48c7474000000000c3",  # mov qword [rdi+64], 0 ; ret
+        aarch64=[0xF900201F, 0xD65F03C0],  # str xzr,[x0,#64]; ret
+    )
+    if not addr:
+        return 0
     # Prove it works on a scratch struct before trusting it.
     scratch = (ctypes.c_uint64 * 10)(*range(1, 11))
     _RELEASE_FN(addr)(ctypes.addressof(scratch))

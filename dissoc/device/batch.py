@@ -34,7 +34,7 @@ from dissoc.codec.encoder import EncodedMessage, MessageEncoder
 from dissoc.codec.layout import FieldLayout, MessageLayout, message_layout
 from dissoc.codec.message import HeaderType
 from dissoc.codec.schema import FieldPlan, Layout, SchemaInfo, decode_schema
-from dissoc.device.cdevice import DeviceInterfaceError, export_device_array, import_device_array
+from dissoc.device.cdevice import DeviceInterfaceError, Imported, export_device_array, import_device_array
 from dissoc.errors import CodecError
 from dissoc.memory.cuda import DeviceBackend, get_backend
 
@@ -495,7 +495,27 @@ class DeviceBatch:
         (``__arrow_c_array__``, uploaded), into this backend's memory: one device-to-device copy per buffer,
         into IPC messages (see :mod:`dissoc.device.cdevice`)."""
         backend = backend if backend is not None else get_backend()
-        got = import_device_array(obj, backend)
+        return cls._imported(import_device_array(obj, backend), backend)
+
+    @classmethod
+    def from_arrow_device_stream(
+        cls, obj: Any, *, backend: DeviceBackend | None = None
+    ) -> Iterator[DeviceBatch]:
+        """Import each batch of any producer of an Arrow C device stream (``__arrow_c_device_stream__``: a
+        dissoc reader landing on the device, cuDF...) as :meth:`from_arrow_device` does; stopping early
+        releases the producer's stream."""
+        from dissoc.device.cstream import read_device_stream
+
+        backend = backend if backend is not None else get_backend()
+        stream = read_device_stream(obj, backend)
+        try:
+            for got in stream:
+                yield cls._imported(got, backend)
+        finally:
+            stream.close()
+
+    @classmethod
+    def _imported(cls, got: Imported, backend: DeviceBackend) -> DeviceBatch:
         if isinstance(got, pa.RecordBatch):
             return cls.from_arrow(got, backend=backend)
         schema_metadata, messages = got

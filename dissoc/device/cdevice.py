@@ -47,6 +47,7 @@ __all__ = [
     "DEVICE_ARRAY_SIZE",
     "DeviceInterfaceError",
     "Imported",
+    "empty_array_capsule",
     "export_device_array",
     "import_device_array",
 ]
@@ -98,7 +99,7 @@ class _Unsupported(DeviceInterfaceError):
     through pyarrow instead."""
 
 
-def _empty_capsules() -> tuple[object, object]:
+def empty_array_capsule() -> tuple[object, object]:
     """A pyarrow ``arrow_device_array`` capsule (with its destructor), its own content released."""
     schema_capsule, array_capsule = pa.RecordBatch.from_arrays([], names=[]).__arrow_c_device_array__()
     address = _capsule_address(array_capsule)
@@ -215,7 +216,7 @@ def export_device_array(
     keep.objects += [owner, structs, flat_buffers, flat_children, event_keep]
     give_release(structs, keep)
     schema_capsule = schema.__arrow_c_schema__()
-    _, array_capsule = _empty_capsules()
+    _, array_capsule = empty_array_capsule()
     address = _capsule_address(array_capsule)
     ctypes.memmove(address, s_base, STRUCT_SIZE)  # moved: the capsule's struct is the root from now on
     structs[0, 8] = 0

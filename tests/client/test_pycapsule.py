@@ -195,3 +195,27 @@ def test_a_consumer_that_stops_early_closes_the_stream_on_the_server(consumer: s
         while reader._done is False and time.monotonic() < deadline:  # the reader closed itself too
             time.sleep(0.01)
         assert reader._done
+
+
+# ---------------------------------------------------------------------------------------- device streams
+
+
+def test_a_device_landing_reader_exports_a_device_stream() -> None:
+    """``__arrow_c_device_stream__`` of a reader landing on the (fake) device, read by dissoc's own importer:
+    every batch equal; a consumer that stops after one batch closes the stream on the server."""
+    from dissoc.client import ClientOptions
+    from dissoc.device import DeviceBatch
+    from dissoc.memory.cuda import FakeDeviceBackend, use_backend
+
+    source = _Counted(batches=256, rows=4096)
+    options = ClientOptions(landing="device")
+    with use_backend(FakeDeviceBackend()), ServerThread({"big": source, "t": _source()}) as server:
+        with open_stream(server.uri, "t", options=options) as reader:
+            got = [b.to_arrow() for b in DeviceBatch.from_arrow_device_stream(reader)]
+        _same(pa.Table.from_batches(got), _source())
+        reader = open_stream(server.uri, "big", options=options)
+        stream = DeviceBatch.from_arrow_device_stream(reader)
+        assert next(stream).num_rows == 4096
+        stream.close()  # type: ignore[attr-defined]
+        assert source.closed.wait(10), "the server kept reading its source after the consumer let go"
+        assert source.produced < 256 and reader._done
