@@ -9,6 +9,7 @@ iterator of ``pa.RecordBatch`` that reads batch by batch, so a 10 GiB file never
 - :mod:`~dissoc.datasets.tabular`: CSV and newline-delimited JSON files, and directories of Parquet, CSV,
   JSON or IPC files with hive partitions, read through ``pyarrow.dataset``;
 - :mod:`~dissoc.datasets.generated`: deterministic synthetic data;
+- :mod:`~dissoc.datasets.live`: live streams, appended to while clients read them (offsets, retention);
 - :mod:`~dissoc.datasets.catalog`: :func:`dataset_from` (the right dataset for a table, a callable or a
   path) and :class:`Catalog`, the thread-safe registry that maps tickets to datasets;
 - :mod:`~dissoc.datasets.messages`: a dataset as the IPC messages a server sends (stored data forwarded as
@@ -22,6 +23,7 @@ from dissoc.datasets.catalog import Catalog, dataset_from
 from dissoc.datasets.files import IpcFileDataset, IpcStreamDataset, ParquetDataset
 from dissoc.datasets.generated import GeneratedDataset
 from dissoc.datasets.in_memory import DeviceDataset, ReaderFactoryDataset, TableDataset
+from dissoc.datasets.live import FellBehind, LiveDataset, LiveView, RetentionFull
 from dissoc.datasets.tabular import FileSystemDataset
 
 __all__ = [
@@ -33,6 +35,10 @@ __all__ = [
     "GeneratedDataset",
     "IpcFileDataset",
     "IpcStreamDataset",
+    "FellBehind",
+    "LiveDataset",
+    "LiveView",
+    "RetentionFull",
     "ParquetDataset",
     "ReaderFactoryDataset",
     "TableDataset",

@@ -27,6 +27,7 @@ from dissoc.codec import MessageEncoder, iter_messages
 from dissoc.datasets.base import Dataset, DatasetError
 from dissoc.datasets.files import IpcFileDataset, IpcStreamDataset, ParquetDataset
 from dissoc.datasets.in_memory import DeviceDataset, TableDataset
+from dissoc.datasets.live import EARLIEST, LiveDataset, LiveView
 from dissoc.datasets.tabular import FileSystemDataset
 
 __all__ = ["DatasetMessage", "dataset_messages", "device_bodies", "message_chunks", "same_every_time"]
@@ -218,6 +219,18 @@ async def message_chunks(
     """Every message of the dataset's stream, schema first, in chunks that are never empty: a chunk is
     ready at once (no message of it waits on the source), which lets a server walk it without an await.
     ``compression`` applies to encoded batches (stored data is forwarded as stored)."""
+    if isinstance(dataset, (LiveDataset, LiveView)):
+        live = (
+            dataset.chunks(compression)
+            if isinstance(dataset, LiveView)
+            else dataset.chunks(EARLIEST, compression)
+        )
+        try:
+            async for ready in live:
+                yield ready
+        finally:
+            await live.aclose()
+        return
     if isinstance(dataset, IpcFileDataset):
         async for kept in _kept_chunks(stored_messages(dataset)):
             yield kept

@@ -317,9 +317,11 @@ class RoleServer(abc.ABC):
 
 
 def _served_now(catalog: Catalog, dataset: Dataset) -> Callable[[], bool]:
+    target = getattr(dataset, "live", dataset)  # a live stream's view: the stream itself
+
     def current() -> bool:
         try:
-            return catalog.get(dataset.name) is dataset
+            return catalog.get(target.name) is target
         except DissocError:
             return False
 

@@ -17,7 +17,10 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Any, Self
 
+import pyarrow as pa
+
 from dissoc.datasets import Catalog, Dataset, UnknownTicket
+from dissoc.datasets.live import DEFAULT_MAX_BATCHES, DEFAULT_MAX_BYTES, LiveDataset
 from dissoc.memory.cuda_arena import DeviceArena
 from dissoc.memory.pairs import ServedArena
 from dissoc.memory.placements import Placements
@@ -185,6 +188,33 @@ class Server:
             self.catalog.remove(dataset.name)
             raise
         return dataset
+
+    def publish(
+        self,
+        name: str,
+        schema: pa.Schema | None = None,
+        *,
+        max_batches: int | None = DEFAULT_MAX_BATCHES,
+        max_bytes: int | None = DEFAULT_MAX_BYTES,
+        on_full: str = "evict",
+        block_timeout: float | None = 60.0,
+        replace: bool = False,
+    ) -> LiveDataset:
+        """Serve a live stream under ``name`` and return it: ``append(batch)`` batches as they are made (from
+        any thread), then ``close()`` (or ``fail(error)``; ``with server.publish(...) as stream:`` does
+        either). Readers ask for ``NAME`` or ``NAME@OFFSET`` (``earliest``, ``latest``, a number) and follow
+        it as it grows. Retention (``max_batches``, ``max_bytes``, ``on_full``): see
+        :mod:`dissoc.datasets.live`."""
+        stream = LiveDataset(
+            name,
+            schema,
+            max_batches=max_batches,
+            max_bytes=max_bytes,
+            on_full=on_full,
+            block_timeout=block_timeout,
+        )
+        self.add(name, stream, replace=replace)
+        return stream
 
     def remove(self, name: str) -> Dataset:
         """Stop serving a dataset to new requests (streams already running finish), and its parts. Safe

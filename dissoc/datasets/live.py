@@ -1,0 +1,498 @@
+"""Live datasets: a named, append-only stream of batches of one schema, read while its producer appends.
+
+A :class:`LiveDataset` is fed by its producer (:meth:`LiveDataset.append`, from any thread; then
+:meth:`~LiveDataset.close`, or :meth:`~LiveDataset.fail` to end it with an error). Each batch gets an
+*offset*, its index in the stream (0, 1, 2...). Readers follow it: a ticket ``NAME@OFFSET`` (a number,
+``earliest`` or ``latest``; plain ``NAME`` is ``NAME@earliest``) starts there, receives every batch appended
+since, as it is appended, and the end of the stream once the producer closes it. Each reader goes at its own
+pace; the producer is held back only as the retention says.
+
+**Retention.** The stream keeps its last batches, at most ``max_batches`` of them and ``max_bytes`` of their
+encoded bodies. When an append would exceed either, ``on_full`` decides:
+
+- ``"evict"`` (the default): the oldest batches go. A reader that still needed one gets a
+  :class:`FellBehind` error naming the first offset still held: never a silent gap.
+- ``"block"``: the oldest batches go only once no reader still needs them; until then ``append`` waits (at
+  most ``block_timeout`` seconds, then :class:`RetentionFull`). With no reader, the oldest go.
+- ``"refuse"``: ``append`` raises :class:`RetentionFull`.
+
+A batch is encoded once, when a reader first needs it, and its messages are shared by every reader (as an
+in-memory table's are). A schema with dictionary fields sends, before each batch, the dictionaries it uses
+(a reader may start at any offset).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from dissoc.codec import MessageEncoder
+from dissoc.datasets.base import Dataset, DatasetError
+from dissoc.errors import ResourceError
+
+__all__ = [
+    "DEFAULT_MAX_BATCHES",
+    "DEFAULT_MAX_BYTES",
+    "EARLIEST",
+    "LATEST",
+    "FellBehind",
+    "LiveDataset",
+    "LiveView",
+    "RetentionFull",
+    "parse_start",
+    "split_ticket",
+]
+
+#: Retention defaults: the last 10,000 batches, and at most 256 MiB of them.
+DEFAULT_MAX_BATCHES = 10_000
+DEFAULT_MAX_BYTES = 256 << 20
+ON_FULL = ("evict", "block", "refuse")
+EARLIEST, LATEST = "earliest", "latest"
+
+#: (metadata, body buffers, has a body): a message as :mod:`dissoc.datasets.messages` gives it.
+_Message = tuple[Any, list[Any], bool]
+
+
+class FellBehind(ResourceError):
+    """A reader asked for (or had not yet read) batches the retention no longer holds."""
+
+    code = "fell_behind"
+
+
+class RetentionFull(ResourceError):
+    """An append found the retention full, and the stream refuses (``on_full="refuse"``) or waited in vain
+    (``"block"``)."""
+
+    code = "retention_full"
+
+
+def split_ticket(name: str) -> tuple[str, str] | None:
+    """``("events", "12")`` for ``"events@12"``; None when there is no ``@``."""
+    base, at, start = name.rpartition("@")
+    return (base, start) if at and base else None
+
+
+def parse_start(start: str | int) -> str | int:
+    """A reader's start: ``"earliest"``, ``"latest"`` or an offset >= 0; DatasetError otherwise."""
+    if isinstance(start, int) and not isinstance(start, bool):
+        if start < 0:
+            raise DatasetError(f"a live stream's start offset must be >= 0, got {start}")
+        return start
+    text = str(start).strip().lower()
+    if text in (EARLIEST, LATEST):
+        return text
+    if text.isdigit():
+        return int(text)
+    raise DatasetError(f"a live stream's start is an offset, 'earliest' or 'latest', not {start!r}")
+
+
+@dataclass(eq=False)
+class _Entry:
+    offset: int
+    batch: pa.RecordBatch
+    nbytes: int
+    encoded: dict[str | None, list[_Message]] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Reader:
+    """Where one reader is: the next offset it will take."""
+
+    position: int
+    since: float = field(default_factory=time.monotonic)
+
+
+class LiveDataset(Dataset):
+    """A stream fed while it is read (see the module docstring). ``schema`` may be left out: the first
+    append sets it."""
+
+    def __init__(
+        self,
+        name: str,
+        schema: pa.Schema | None = None,
+        *,
+        max_batches: int | None = DEFAULT_MAX_BATCHES,
+        max_bytes: int | None = DEFAULT_MAX_BYTES,
+        on_full: str = "evict",
+        block_timeout: float | None = 60.0,
+    ) -> None:
+        super().__init__(name)
+        if "@" in name:
+            raise DatasetError(f"live stream {name!r}: a live stream's name must not contain '@'")
+        if schema is not None and not isinstance(schema, pa.Schema):
+            raise DatasetError(f"live stream {name!r}: schema must be a pyarrow.Schema")
+        if on_full not in ON_FULL:
+            raise DatasetError(
+                f"live stream {name!r}: on_full is one of {', '.join(ON_FULL)}, not {on_full!r}"
+            )
+        for what, value in (("max_batches", max_batches), ("max_bytes", max_bytes)):
+            if value is not None and value < 1:
+                raise DatasetError(f"live stream {name!r}: {what} must be >= 1 (or None: unbounded)")
+        self._schema = schema
+        self.max_batches = max_batches
+        self.max_bytes = max_bytes
+        self.on_full = on_full
+        self.block_timeout = block_timeout
+        self._cond = threading.Condition()
+        self._entries: deque[_Entry] = deque()
+        self._bytes = 0
+        self._head = 0  # the offset the next append gets
+        self._ended = False
+        self._error: BaseException | None = None
+        self._readers: set[_Reader] = set()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self.appended_rows = 0
+
+    # ------------------------------------------------------------------------------------------ state
+
+    @property
+    def schema(self) -> pa.Schema:
+        if self._schema is None:
+            raise DatasetError(f"live stream {self.name!r} has no schema yet (nothing was published to it)")
+        return self._schema
+
+    @property
+    def has_schema(self) -> bool:
+        return self._schema is not None
+
+    @property
+    def head(self) -> int:
+        """The offset the next batch appended will get (the number of batches appended so far)."""
+        return self._head
+
+    @property
+    def first(self) -> int:
+        """The first offset still held (``head`` when none is)."""
+        with self._cond:
+            return self._entries[0].offset if self._entries else self._head
+
+    @property
+    def ended(self) -> bool:
+        """Whether the producer closed (or failed) the stream."""
+        return self._ended
+
+    @property
+    def retained(self) -> tuple[int, int]:
+        """``(batches, bytes)`` held now."""
+        with self._cond:
+            return len(self._entries), self._bytes
+
+    def lags(self) -> list[int]:
+        """How many batches each reader has still to take of what was appended."""
+        with self._cond:
+            return [self._head - r.position for r in self._readers]
+
+    @property
+    def nbytes(self) -> int | None:
+        return self._bytes
+
+    def describe(self) -> dict[str, Any]:
+        """What a control plane says about the stream (JSON-friendly)."""
+        held, nbytes = self.retained
+        return {
+            "live": True,
+            "head": self.head,
+            "first": self.first,
+            "ended": self.ended,
+            "retained_batches": held,
+            "retained_bytes": nbytes,
+            "readers": len(self._readers),
+        }
+
+    # ------------------------------------------------------------------------------------------ producer
+
+    def append(self, batch: pa.RecordBatch | pa.Table, *, timeout: float | None = None) -> int:
+        """Append ``batch`` (a table: each of its batches) and return the offset of the (last) batch.
+
+        Thread-safe. With ``on_full="block"`` it may wait for readers (up to ``timeout``, by default the
+        stream's ``block_timeout``): call it from a thread, not from the event loop serving the readers
+        (from async code: ``await asyncio.to_thread(stream.append, batch)``)."""
+        if isinstance(batch, pa.Table):
+            offset = self._head - 1
+            for b in batch.to_batches():
+                offset = self.append(b, timeout=timeout)
+            return offset
+        if not isinstance(batch, pa.RecordBatch):
+            raise DatasetError(f"live stream {self.name!r}: append takes a pyarrow.RecordBatch or Table")
+        nbytes = batch.get_total_buffer_size()
+        wait = self.block_timeout if timeout is None else timeout
+        deadline = None if wait is None else time.monotonic() + wait
+        with self._cond:
+            if self._ended:
+                raise DatasetError(f"live stream {self.name!r} is closed: nothing more can be appended")
+            if self._schema is None:
+                self._schema = batch.schema
+            elif not batch.schema.equals(self._schema):
+                raise DatasetError(
+                    f"live stream {self.name!r}: the batch's schema differs from the stream's "
+                    f"({batch.schema} is not {self._schema})"
+                )
+            while self._full(nbytes):
+                if self.on_full == "evict" or not self._needed(self._entries[0].offset):
+                    self._evict()
+                    continue
+                if self.on_full == "refuse":
+                    raise RetentionFull(
+                        f"live stream {self.name!r}: the retention is full ({self._describe_limits()}) and "
+                        f"a reader still needs offset {self._entries[0].offset}"
+                    )
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise RetentionFull(
+                        f"live stream {self.name!r}: the retention stayed full ({self._describe_limits()}) "
+                        f"for {wait:g} s: the slowest reader is at offset {self._slowest()}"
+                    )
+                self._cond.wait(left)
+                if self._ended:
+                    raise DatasetError(f"live stream {self.name!r} was closed while an append waited")
+            offset = self._head
+            self._entries.append(_Entry(offset, batch, nbytes))
+            self._bytes += nbytes
+            self._head = offset + 1
+            self.appended_rows += batch.num_rows
+            self._wake()
+        return offset
+
+    def close(self) -> None:
+        """End the stream: readers get what is held, then the end of the stream. Appends are refused. (The
+        stream stays served: readers joining later read what is held, then the end.)"""
+        with self._cond:
+            self._ended = True
+            self._wake()
+            self._cond.notify_all()
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        """``with server.publish(...) as stream:`` closes it, or fails it with the exception that left."""
+        if exc is not None:
+            self.fail(exc)
+        else:
+            self.close()
+
+    def fail(self, error: BaseException | str) -> None:
+        """End the stream with an error: readers get what is held, then this error (not an end)."""
+        with self._cond:
+            if not self._ended:
+                self._error = error if isinstance(error, BaseException) else DatasetError(str(error))
+                self._ended = True
+            self._wake()
+            self._cond.notify_all()
+
+    def _full(self, nbytes: int) -> bool:
+        if not self._entries:
+            return False
+        if self.max_batches is not None and len(self._entries) >= self.max_batches:
+            return True
+        return self.max_bytes is not None and self._bytes + nbytes > self.max_bytes
+
+    def _needed(self, offset: int) -> bool:
+        return any(r.position <= offset for r in self._readers)
+
+    def _slowest(self) -> int | None:
+        return min((r.position for r in self._readers), default=None)
+
+    def _evict(self) -> None:
+        entry = self._entries.popleft()
+        self._bytes -= entry.nbytes
+
+    def _describe_limits(self) -> str:
+        return f"max_batches={self.max_batches}, max_bytes={self.max_bytes}"
+
+    def _wake(self) -> None:
+        """Wake every reader waiting on an event loop (with the lock held)."""
+        waiters, self._waiters = self._waiters, []
+        for loop, future in waiters:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_resolve, future)
+
+    # ------------------------------------------------------------------------------------------ readers
+
+    def view(self, start: str | int) -> LiveView:
+        """The stream as read from ``start`` (an offset, ``"earliest"`` or ``"latest"``)."""
+        return LiveView(self, parse_start(start))
+
+    def open(self) -> Iterator[pa.RecordBatch]:
+        """The batches from the earliest held, blocking for new ones (for readers in threads: Flight)."""
+        return self._follow_sync(EARLIEST)
+
+    def _attach(self, start: str | int) -> _Reader:
+        with self._cond:
+            first = self._entries[0].offset if self._entries else self._head
+            if start == EARLIEST:
+                position = first
+            elif start == LATEST:
+                position = self._head
+            else:
+                assert isinstance(start, int)
+                if start < first:
+                    raise FellBehind(
+                        f"live stream {self.name!r}: offset {start} is no longer held; the first offset held "
+                        f"is {first}"
+                    )
+                position = start
+            reader = _Reader(position)
+            self._readers.add(reader)
+            return reader
+
+    def _detach(self, reader: _Reader) -> None:
+        with self._cond:
+            self._readers.discard(reader)
+            self._cond.notify_all()
+
+    def _take(self, reader: _Reader, limit: int) -> list[_Entry] | None:
+        """Up to ``limit`` entries from the reader's position (moving it on); [] when it must wait; None at
+        the end. Raises the producer's error, or FellBehind."""
+        with self._cond:
+            entries = self._entries
+            first = entries[0].offset if entries else self._head
+            if reader.position < first:
+                raise FellBehind(
+                    f"live stream {self.name!r}: this reader fell behind the retention at offset "
+                    f"{reader.position}; the first offset held is {first} ({self._describe_limits()}, "
+                    f"on_full={self.on_full!r})"
+                )
+            if reader.position >= self._head:
+                if not self._ended:
+                    return []
+                if self._error is not None:
+                    raise DatasetError(
+                        f"live stream {self.name!r}: the producer failed at offset {self._head}: "
+                        f"{self._error}"
+                    )
+                return None
+            start = reader.position - first
+            taken = [entries[i] for i in range(start, min(len(entries), start + limit))]
+            reader.position = taken[-1].offset + 1
+            if self.on_full == "block":
+                self._cond.notify_all()
+            return taken
+
+    def _follow_sync(self, start: str | int) -> Iterator[pa.RecordBatch]:
+        self._wait_schema_sync()
+        reader = self._attach(start)
+        try:
+            while True:
+                taken = self._take(reader, 64)
+                if taken is None:
+                    return
+                if not taken:
+                    with self._cond:
+                        if reader.position >= self._head and not self._ended:
+                            self._cond.wait(1.0)
+                    continue
+                for entry in taken:
+                    yield entry.batch
+        finally:
+            self._detach(reader)
+
+    def _wait_schema_sync(self) -> None:
+        with self._cond:
+            while self._schema is None and not self._ended:
+                self._cond.wait(1.0)
+            if self._schema is None:
+                raise DatasetError(f"live stream {self.name!r} ended before anything was published to it")
+
+    async def _wait(self, ready: Any) -> None:
+        """Wait (on this loop) until ``ready()`` holds, checked under the lock, or the stream changes."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                if ready():
+                    return
+                future: asyncio.Future[None] = loop.create_future()
+                self._waiters.append((loop, future))
+            await future
+
+    async def chunks(
+        self, start: str | int, compression: str | None
+    ) -> AsyncGenerator[Sequence[_Message], None]:
+        """The stream's messages from ``start``, schema first, in chunks of what is ready, waiting (on the
+        running loop) for appends; ends when the producer closes, raises when it failed."""
+        await self._wait(lambda: self._schema is not None or self._ended)
+        schema = self.schema if self._schema is not None else None
+        if schema is None:
+            raise DatasetError(f"live stream {self.name!r} ended before anything was published to it")
+        dictionaries = any(pa.types.is_dictionary(f.type) for f in _all_fields(schema))
+        shared = MessageEncoder(schema, compression=compression)
+        yield [(shared.schema_message().metadata, [], False)]
+        reader = self._attach(start)
+        try:
+            while True:
+                taken = self._take(reader, 256)
+                if taken is None:
+                    return
+                if not taken:
+                    await self._wait(lambda: reader.position < self._head or self._ended)
+                    continue
+                chunk: list[_Message] = []
+                for entry in taken:
+                    chunk += self._encoded(entry, compression, None if dictionaries else shared)
+                yield chunk
+        finally:
+            self._detach(reader)
+
+    def _encoded(
+        self, entry: _Entry, compression: str | None, shared: MessageEncoder | None
+    ) -> list[_Message]:
+        """The entry's messages (encoded once per compression and kept with it). With dictionaries, a fresh
+        encoder: each batch carries the dictionaries it uses, whatever offset a reader started at."""
+        messages = entry.encoded.get(compression)
+        if messages is None:
+            encoder = (
+                shared if shared is not None else MessageEncoder(entry.batch.schema, compression=compression)
+            )
+            encoded = encoder.encode(entry.batch)
+            messages = [(m.metadata, m.body_buffers, True) for m in encoded]
+            entry.encoded[compression] = messages
+        return messages
+
+    def __repr__(self) -> str:
+        held, nbytes = self.retained
+        return (
+            f"LiveDataset({self.name!r}, head={self.head}, retained={held} batches / {nbytes} bytes, "
+            f"on_full={self.on_full!r}{', ended' if self.ended else ''})"
+        )
+
+
+class LiveView(Dataset):
+    """A live stream as one reader reads it: from ``start`` (what ``NAME@START`` names)."""
+
+    def __init__(self, live: LiveDataset, start: str | int) -> None:
+        super().__init__(live.name)
+        self.live = live
+        self.start = start
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self.live.schema
+
+    def open(self) -> Iterator[pa.RecordBatch]:
+        return self.live._follow_sync(self.start)
+
+    def chunks(self, compression: str | None) -> AsyncGenerator[Sequence[_Message], None]:
+        return self.live.chunks(self.start, compression)
+
+    def __repr__(self) -> str:
+        return f"LiveView({self.live.name!r}, from {self.start})"
+
+
+def _all_fields(schema: pa.Schema) -> Iterator[pa.Field]:
+    stack = list(schema)
+    while stack:
+        f = stack.pop()
+        yield f
+        t = f.type
+        if pa.types.is_dictionary(t):
+            continue
+        stack.extend(t.field(i) for i in range(t.num_fields))
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
