@@ -140,7 +140,7 @@ class LiveDataset(Dataset):
         self.max_bytes = max_bytes
         self.on_full = on_full
         self.block_timeout = block_timeout
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.RLock())
         self._entries: deque[_Entry] = deque()
         self._bytes = 0
         self._head = 0  # the offset the next append gets
@@ -149,6 +149,7 @@ class LiveDataset(Dataset):
         self._readers: set[_Reader] = set()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self.appended_rows = 0
+        self._sequences: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -259,6 +260,28 @@ class LiveDataset(Dataset):
             self.appended_rows += batch.num_rows
             self._wake()
         return offset
+
+    def append_once(
+        self, batches: Sequence[pa.RecordBatch], *, producer: str, sequence: int, timeout: float | None = None
+    ) -> tuple[int, int] | None:
+        """Append ``batches`` together, at most once per ``(producer, sequence)``: a sequence number at or
+        below the last one appended for ``producer`` is a retry, and is skipped (None). Returns the first
+        and last offsets given (an empty list gives ``(head, head - 1)``). For exactly-once producers (the
+        Spark sink): a retried commit never appends twice."""
+        with self._cond:
+            last = self._sequences.get(producer)
+            if last is not None and sequence <= last:
+                return None
+            first = self._head
+            for batch in batches:
+                self.append(batch, timeout=timeout)
+            self._sequences[producer] = sequence
+            return first, self._head - 1
+
+    def last_sequence(self, producer: str) -> int | None:
+        """The last sequence number :meth:`append_once` appended for ``producer``."""
+        with self._cond:
+            return self._sequences.get(producer)
 
     def close(self) -> None:
         """End the stream: readers get what is held, then the end of the stream. Appends are refused. (The

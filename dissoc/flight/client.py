@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, TypedDict, TypeVar, Unpack
 
@@ -21,6 +21,8 @@ from dissoc.datasets import (
 )
 from dissoc.errors import DissocError, ProtocolError, RemoteError, TransportError
 from dissoc.flight.common import (
+    ACTION_LIVE_CLOSE,
+    ACTION_LIVE_STATUS,
     ACTION_REMOVE,
     DEFAULT_TIMEOUT,
     Endpoint,
@@ -309,6 +311,80 @@ def publish(
         return int(json.loads(ack.to_pybytes())["rows"]) if ack is not None else -1
     except (ValueError, KeyError, TypeError):
         return -1
+
+
+def append(
+    location: str,
+    name: str,
+    data: pa.Table | pa.RecordBatch | pa.RecordBatchReader | Iterable[pa.RecordBatch],
+    *,
+    schema: pa.Schema | None = None,
+    producer: str | None = None,
+    sequence: int | None = None,
+    close: bool = False,
+    **options: Unpack[CallOptions],
+) -> dict[str, Any]:
+    """Append ``data`` to the live stream ``name`` with DoPut (each batch as it is sent); ``close`` ends the
+    stream after it. With ``producer`` and ``sequence`` the upload is appended at most once per pair, all
+    together once it has arrived (a retry of a sequence already appended is skipped: ``"duplicate"``).
+    Returns the server's acknowledgement: ``{"rows", "batches", "first", "head", "duplicate"...}``. A plain
+    iterable of batches needs ``schema``."""
+    flight = flight_module()
+    if isinstance(data, pa.RecordBatch):
+        data = pa.Table.from_batches([data])
+    source_schema = schema if schema is not None else getattr(data, "schema", None)
+    if not isinstance(source_schema, pa.Schema):
+        raise DatasetError("append: a plain iterable of batches needs schema=")
+    command: dict[str, Any] = {"name": name}
+    if producer is not None or sequence is not None:
+        command.update(producer=producer, sequence=sequence)
+    if close:
+        command["close"] = True
+    descriptor = flight.FlightDescriptor.for_command(json.dumps(command))
+    source = data
+
+    def upload(client: Any, call: Any) -> Any:
+        writer, ack_reader = client.do_put(descriptor, source_schema, call)
+        with writer:
+            if isinstance(source, pa.Table):
+                writer.write_table(source)
+            else:
+                for batch in source:
+                    writer.write_batch(batch)
+            writer.done_writing()
+            return ack_reader.read()
+
+    ack = _call(location, f"DoPut({name!r}, live)", upload, options, timeout=None)
+    try:
+        got = json.loads(ack.to_pybytes()) if ack is not None else {}
+    except ValueError:
+        got = {}
+    return got if isinstance(got, dict) else {}
+
+
+def live_status(location: str, name: str, **options: Unpack[CallOptions]) -> dict[str, Any]:
+    """A live stream's state: ``{"head", "first", "ended", "retained_batches", "retained_bytes",
+    "readers"}`` (the ``live-status`` action); RemoteError ``not_live`` for a dataset that is not one."""
+    return _live_action(location, ACTION_LIVE_STATUS, name, options)
+
+
+def live_close(location: str, name: str, **options: Unpack[CallOptions]) -> dict[str, Any]:
+    """End the live stream ``name`` (the ``live-close`` action): its readers get the end once they have
+    read what it holds. Returns its state after."""
+    return _live_action(location, ACTION_LIVE_CLOSE, name, options)
+
+
+def _live_action(location: str, kind: str, name: str, options: CallOptions) -> dict[str, Any]:
+    flight = flight_module()
+    action = flight.Action(kind, name.encode("utf-8"))
+    results = _call(
+        location,
+        f"action {kind}({name!r})",
+        lambda client, call: list(client.do_action(action, call)),
+        options,
+    )
+    got = json.loads(results[0].body.to_pybytes()) if results else {}
+    return got if isinstance(got, dict) else {}
 
 
 def remove(location: str, name: str | bytes, **options: Unpack[CallOptions]) -> None:

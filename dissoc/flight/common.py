@@ -17,6 +17,8 @@ from dissoc.uri import UriError
 
 __all__ = [
     "ACTION_LIST_TICKETS",
+    "ACTION_LIVE_CLOSE",
+    "ACTION_LIVE_STATUS",
     "ACTION_REMOVE",
     "DEFAULT_TIMEOUT",
     "FLIGHT_SCHEMES",
@@ -38,6 +40,10 @@ DEFAULT_TIMEOUT: Final = 10.0
 ACTION_REMOVE: Final = "remove"
 #: DoAction type whose one result is the JSON list of the tickets served.
 ACTION_LIST_TICKETS: Final = "list-tickets"
+#: DoAction types of live streams (body: the stream's name): its state as JSON (``head``, ``first``,
+#: ``ended``, retention, readers), and ending it.
+ACTION_LIVE_STATUS: Final = "live-status"
+ACTION_LIVE_CLOSE: Final = "live-close"
 
 _ACTIONS: Final = (
     (ACTION_REMOVE, 'Stop serving a dataset to new requests; body: its ticket. Result: JSON {"removed"}.'),

@@ -50,9 +50,12 @@ from dissoc.datasets import (
     TableDataset,
     UnknownTicket,
 )
+from dissoc.datasets.live import LiveDataset
 from dissoc.errors import DissocError, TransportError
 from dissoc.flight.common import (
     ACTION_LIST_TICKETS,
+    ACTION_LIVE_CLOSE,
+    ACTION_LIVE_STATUS,
     ACTION_REMOVE,
     flight_module,
     read_pem,
@@ -89,6 +92,15 @@ _METRICS_KEY: Final = "dissoc-metrics"
 _ACTIONS: Final = (
     (ACTION_REMOVE, 'Stop serving a dataset to new requests; body: its ticket. Result: JSON {"removed"}.'),
     (ACTION_LIST_TICKETS, "The tickets served. Result: one JSON list of strings."),
+    (
+        ACTION_LIVE_STATUS,
+        'A live stream\'s state; body: its name. Result: JSON {"head", "first", "ended", "retained_batches", '
+        '"retained_bytes", "readers"}.',
+    ),
+    (
+        ACTION_LIVE_CLOSE,
+        'End a live stream (readers then get its end); body: its name. Result: JSON {"head"}.',
+    ),
 )
 
 
@@ -244,12 +256,16 @@ class _Handlers:
         tickets = parts if parts and all(p.startswith(f"{name}/") for p in parts) else [name]
         endpoints = [flight.FlightEndpoint(self._ticket(t, claims), locations) for t in tickets]
         rows, nbytes = described["num_rows"], described["nbytes"]
+        dataset = self.server.catalog.get(name)
+        # A live stream says where it is (head, first offset held...) in the info's app_metadata.
+        status = json.dumps(dataset.describe()).encode() if isinstance(dataset, LiveDataset) else b""
         return flight.FlightInfo(
             described["schema"],
             descriptor,
             endpoints,
             -1 if rows is None else int(rows),
             -1 if nbytes is None else int(nbytes),
+            app_metadata=status,
         )
 
     def list_flights(self, criteria: bytes, claims: Claims | None = None) -> Iterator[paflight.FlightInfo]:
@@ -329,6 +345,10 @@ class _Handlers:
                 raise _error("read_only", "this control plane is read-only: DoPut is refused")
             name, replace = self._put_target(descriptor)
             self.authorize(claims, name, "write")
+            target = self.server.catalog.get(name) if name in self.server.catalog else None
+            if isinstance(target, LiveDataset) and not replace:
+                self._put_live(target, descriptor, reader, writer)
+                return
             if not replace and name in self.server.catalog:
                 raise _error("already_exists", f"a dataset named {name!r} is already served")
             batches: list[pa.RecordBatch] = []
@@ -357,6 +377,70 @@ class _Handlers:
             ack = {"ticket": name, "rows": table.num_rows, "batches": len(batches), "bytes": total}
             writer.write(pa.py_buffer(json.dumps(ack).encode()))
 
+    def _put_live(
+        self,
+        stream: LiveDataset,
+        descriptor: paflight.FlightDescriptor,
+        reader: paflight.MetadataRecordBatchReader,
+        writer: paflight.FlightMetadataWriter,
+    ) -> None:
+        """DoPut into a live stream: each batch appended as it arrives. A command ``{"name", "producer",
+        "sequence"}`` appends the upload at most once per (producer, sequence), all together once it has
+        arrived (bounded by ``max_put_bytes``); ``"close": true`` ends the stream after. An upload that
+        breaks mid-way fails the stream (its readers get the error, not an end)."""
+        command = _put_command(descriptor)
+        producer, sequence = command.get("producer"), command.get("sequence")
+        once = producer is not None or sequence is not None
+        if once and (not isinstance(producer, str) or not isinstance(sequence, int)):
+            raise DatasetError('DoPut command: "producer" (a string) and "sequence" (an int) go together')
+        appended = rows = total = 0
+        held: list[pa.RecordBatch] = []
+        first = stream.head
+        try:
+            for chunk in reader:
+                batch = chunk.data
+                if batch is None:
+                    continue
+                total += batch.nbytes
+                if once:
+                    if self.max_put_bytes is not None and total > self.max_put_bytes:
+                        raise _error(
+                            "too_large",
+                            f"DoPut into live stream {stream.name!r}: more than the {self.max_put_bytes} "
+                            "bytes an upload with a producer and sequence may hold (--flight-max-put-mib)",
+                        )
+                    held.append(batch)
+                    continue
+                stream.append(batch)
+                appended += 1
+                rows += batch.num_rows
+        except DissocError:
+            raise
+        except Exception as e:
+            if not once and appended:
+                stream.fail(f"the producer's upload broke after {appended} batches: {e}")
+            raise
+        duplicate = False
+        if once:
+            assert isinstance(producer, str) and isinstance(sequence, int)
+            got = stream.append_once(held, producer=producer, sequence=sequence)
+            duplicate = got is None
+            if got is not None:
+                first, appended, rows = got[0], len(held), sum(b.num_rows for b in held)
+        if command.get("close") is True:
+            stream.close()
+        log.info("Flight DoPut: %d batches into live stream %r (head %d)", appended, stream.name, stream.head)
+        ack = {
+            "ticket": stream.name,
+            "rows": rows,
+            "batches": appended,
+            "bytes": total,
+            "first": first,
+            "head": stream.head,
+            "duplicate": duplicate,
+        }
+        writer.write(pa.py_buffer(json.dumps(ack).encode()))
+
     # -- actions
 
     def do_action(self, kind: str, body: bytes, claims: Claims | None = None) -> list[bytes]:
@@ -368,11 +452,33 @@ class _Handlers:
                 removed = self.server.remove(ticket_name(body)).name
                 log.info("Flight action: removed %r", removed)
                 return [json.dumps({"removed": ticket_name(body)}).encode()]
+            if kind in (ACTION_LIVE_STATUS, ACTION_LIVE_CLOSE):
+                name = ticket_name(body)
+                closing = kind == ACTION_LIVE_CLOSE
+                if closing and self.read_only:
+                    raise _error("read_only", "this control plane is read-only: live-close is refused")
+                self.authorize(claims, name, "write" if closing else "read")
+                stream = self.server.catalog.get(name)
+                if not isinstance(stream, LiveDataset):
+                    raise _error("not_live", f"{name!r} is not a live stream")
+                if closing:
+                    stream.close()
+                    log.info("Flight action: closed live stream %r at offset %d", name, stream.head)
+                return [json.dumps(stream.describe()).encode()]
             if kind == ACTION_LIST_TICKETS:
                 names = [n for n in self.server.catalog.names() if self._grants(claims, n)]
                 return [json.dumps(names).encode()]
             known = ", ".join(repr(k) for k, _ in _ACTIONS)
             raise _error("unknown_action", f"unknown action {kind!r} (known: {known})")
+
+
+def _put_command(descriptor: paflight.FlightDescriptor) -> dict[str, Any]:
+    """A DoPut's command as a JSON object ({} for a path descriptor)."""
+    flight = flight_module()
+    if descriptor.descriptor_type == flight.DescriptorType.PATH:
+        return {}
+    command = json.loads(bytes(descriptor.command))
+    return command if isinstance(command, dict) else {}
 
 
 def _flight_stream(dataset: Dataset, closing: threading.Event) -> paflight.FlightDataStream:
