@@ -29,6 +29,11 @@ __all__ = ["main", "parse_args"]
 
 log = logging.getLogger("dissoc")
 
+#: ``dissoc serve --live``'s retention defaults (those of :mod:`dissoc.datasets.live`, not imported here:
+#: the command line loads pyarrow only for the subcommands that need it).
+DEFAULT_LIVE_BATCHES = 10_000
+DEFAULT_LIVE_MIB = 256
+
 
 def _port(text: str) -> int:
     """A TCP/UDP port number, 0..65535 (0 picks a free one); anything else is a usage error."""
@@ -94,6 +99,14 @@ def _keepalive_flag(parser: Any) -> None:
         help="how TCP/TLS connections notice a peer gone without a word: IDLE,INTERVAL,COUNT[,USER_TIMEOUT] "
         f"seconds, probes, seconds (default {format_keepalive(DEFAULT_KEEPALIVE)}), or off",
     )
+
+
+def _start(text: str) -> str:
+    """A live stream's start: a number >= 0, ``earliest`` or ``latest``; anything else is a usage error."""
+    value = text.strip().lower()
+    if value in ("earliest", "latest") or value.isdigit():
+        return value
+    raise argparse.ArgumentTypeError(f"expected an offset (a number), 'earliest' or 'latest', not {text!r}")
 
 
 def _timeout(text: str) -> float:
@@ -200,6 +213,35 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also serve each directory's files one by one, each as NAME/PATH (its path under the "
         "directory), which --flight lists as the directory's endpoints, read in order",
+    )
+    s.add_argument(
+        "--live",
+        default=None,
+        metavar="NAME[=SCHEMA_FILE][,...]",
+        help="serve live streams: NAME, fed through the Flight plane (dissoc publish) while clients follow "
+        "it (dissoc get --follow); its schema from SCHEMA_FILE's (an Arrow IPC or Parquet file), else from "
+        "the first batch published; several, comma-separated",
+    )
+    s.add_argument(
+        "--live-max-batches",
+        type=int,
+        default=DEFAULT_LIVE_BATCHES,
+        metavar="N",
+        help=f"a live stream keeps at most its last N batches (default {DEFAULT_LIVE_BATCHES}; 0: no bound)",
+    )
+    s.add_argument(
+        "--live-max-mib",
+        type=int,
+        default=DEFAULT_LIVE_MIB,
+        metavar="MIB",
+        help=f"... and at most MIB of them (default {DEFAULT_LIVE_MIB}; 0: no bound)",
+    )
+    s.add_argument(
+        "--live-on-full",
+        choices=["evict", "block", "refuse"],
+        default="evict",
+        help="when the retention is full: drop the oldest batches (a reader that needed one fails, naming "
+        "the first offset held), make the producer wait for readers, or refuse the append (default evict)",
     )
     s.add_argument(
         "--config",
@@ -387,7 +429,26 @@ def _parser() -> argparse.ArgumentParser:
         help="write what was fetched, batch by batch, as FILE's suffix says: "
         + ", ".join(f"{what} ({', '.join(suffixes)})" for what, suffixes in _OUTPUT_SUFFIXES.values()),
     )
-    g.add_argument("--timeout", type=float, default=30.0)
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds to connect, and of silence tolerated mid-stream (default 30; --follow: no limit)",
+    )
+    g.add_argument(
+        "--follow",
+        action="store_true",
+        help="follow a live stream: batches as they are published, until its producer ends it (no limit on "
+        "silence; Ctrl-C stops)",
+    )
+    g.add_argument(
+        "--from",
+        dest="start",
+        type=_start,
+        default=None,
+        metavar="OFFSET",
+        help="a live stream: start at OFFSET (a number, 'earliest' or 'latest'; default earliest)",
+    )
     _keepalive_flag(g)
     g.add_argument("--no-progress", action="store_true")
     g.add_argument(
@@ -463,6 +524,23 @@ def _parser() -> argparse.ArgumentParser:
     _tls_get_flags(h)
     h.add_argument("--token", default=None, help=f"bearer token for a Flight plane (default ${TOKEN_ENV})")
 
+    pub = sub.add_parser(
+        "publish",
+        help="append files' batches to a live stream through a Flight plane (dissoc serve --flight --live); "
+        "prints the acknowledgement as a JSON line",
+    )
+    pub.add_argument("location", help="the Flight control plane, grpc://HOST:PORT")
+    pub.add_argument("name", help="the live stream")
+    pub.add_argument(
+        "files", nargs="+", metavar="FILE", help="Arrow IPC, Parquet, CSV or JSON files, in order"
+    )
+    pub.add_argument("--close", action="store_true", help="end the stream after the last batch")
+    pub.add_argument("--timeout", type=_timeout, default=None, help="seconds the whole upload may take")
+    _tls_get_flags(pub)
+    pub.add_argument(
+        "--token", default=None, help=f"bearer token for the Flight plane (default ${TOKEN_ENV})"
+    )
+
     c = sub.add_parser(
         "cleanup",
         help="remove the shared-memory segments killed dissoc servers left behind; prints a JSON summary",
@@ -524,7 +602,7 @@ def _tls_serve_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from dissoc.datasets import FileSystemDataset, dataset_from
+    from dissoc.datasets import FileSystemDataset, LiveDataset, dataset_from
     from dissoc.server import Server, ServerOptions
     from dissoc.tokens import Secret, load_secret
 
@@ -539,7 +617,7 @@ async def _serve(args: argparse.Namespace) -> int:
     if args.per_file and args.device:
         raise DissocError("--per-file does not combine with --device (serve the files one by one)")
     datasets: dict[str, Any] = {}
-    for path in args.paths:
+    for path in args.paths or ():
         per_file = args.per_file and Path(path).is_dir()
         ds = FileSystemDataset(path, per_file=True) if per_file else dataset_from(path)
         if ds.name in datasets:
@@ -553,6 +631,18 @@ async def _serve(args: argparse.Namespace) -> int:
             batches = DeviceBatch.from_batches(ds.schema, list(ds.open()))
             datasets[name] = DeviceDataset(name, batches, schema=ds.schema)
             ds.close()
+    for spec in filter(None, (args.live or "").split(",")):
+        name, _, schema_file = spec.strip().partition("=")
+        if name in datasets:
+            raise DissocError(f"--live {name}: a dataset of that name is served already")
+        schema = dataset_from(schema_file).schema if schema_file else None
+        datasets[name] = LiveDataset(
+            name,
+            schema,
+            max_batches=args.live_max_batches or None,
+            max_bytes=(args.live_max_mib << 20) or None,
+            on_full=args.live_on_full,
+        )
     tls = _tls_serve_options(args)
     server = Server(datasets, ServerOptions.from_args(args, secret=secret))
     async with contextlib.AsyncExitStack() as running:
@@ -630,8 +720,10 @@ async def _get(args: argparse.Namespace) -> int:
 
     if args.require_device_path and args.landing != "device":
         raise DissocError("--require-device-path applies to --landing device")
+    if args.start is not None:
+        args.ticket = f"{args.ticket}@{args.start}"
     options = ClientOptions(
-        timeout=args.timeout,
+        timeout=None if args.follow else args.timeout,
         ucx_path=args.ucx_path,
         landing=args.landing,
         zero_copy=args.zero_copy,
@@ -853,9 +945,46 @@ def parse_args(
         )
     except ConfigError as e:
         serve_parser.error(str(e))
-    if not args.paths:
-        serve_parser.error("no PATH to serve (as arguments, in DISSOC_PATHS or the file's 'paths')")
+    if not args.paths and not args.live:
+        serve_parser.error(
+            "no PATH to serve (as arguments, in DISSOC_PATHS or the file's 'paths') and no --live stream"
+        )
     return args, layered
+
+
+def _publish(args: argparse.Namespace) -> int:
+    """``dissoc publish``: each file's batches, in order, appended to the live stream by one DoPut each."""
+    from dissoc.datasets import dataset_from
+    from dissoc.flight import append
+
+    options: dict[str, Any] = {
+        "tls_ca": args.tls_ca,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "token": args.token or os.environ.get(TOKEN_ENV) or None,
+        "timeout": args.timeout,
+    }
+    ack: dict[str, Any] = {}
+    rows = batches = 0
+    for k, path in enumerate(args.files):
+        source = dataset_from(path)
+        try:
+            last = k == len(args.files) - 1
+            ack = append(
+                args.location,
+                args.name,
+                source.open(),
+                schema=source.schema,
+                close=args.close and last,
+                **options,
+            )
+        finally:
+            source.close()
+        rows += int(ack.get("rows", 0))
+        batches += int(ack.get("batches", 0))
+    sys.stdout.write(json.dumps({**ack, "rows": rows, "batches": batches, "files": len(args.files)}) + "\n")
+    sys.stdout.flush()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -886,6 +1015,8 @@ def main(argv: list[str] | None = None) -> int:
             return _token(args)
         if args.command == "health":
             return _health(args)
+        if args.command == "publish":
+            return _publish(args)
         return asyncio.run(_get(args))
     except DissocError as e:
         sys.stderr.write(f"dissoc: error: {e}\n")

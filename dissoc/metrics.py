@@ -392,6 +392,20 @@ SOURCE_METRICS: dict[str, tuple[Kind, str, tuple[str, ...]]] = {
         "Bytes being received, or received and not yet taken, from clients (max_receiving_bytes)",
         (),
     ),
+    "dissoc_live_head_offset": (
+        "gauge",
+        "A live stream's next offset (batches appended so far)",
+        ("stream",),
+    ),
+    "dissoc_live_first_offset": ("gauge", "A live stream's first offset still held", ("stream",)),
+    "dissoc_live_retained_batches": ("gauge", "Batches a live stream holds (its retention)", ("stream",)),
+    "dissoc_live_retained_bytes": ("gauge", "Bytes of batches a live stream holds", ("stream",)),
+    "dissoc_live_readers": ("gauge", "Readers following a live stream", ("stream",)),
+    "dissoc_live_max_lag_batches": (
+        "gauge",
+        "Batches the slowest reader of a live stream has still to take",
+        ("stream",),
+    ),
     "dissoc_client_streams_open": ("gauge", "Streams being read", ()),
     "dissoc_client_in_flight_bytes": (
         "gauge",

@@ -258,7 +258,8 @@ class Server:
 
     def metrics_samples(self) -> Iterator[Sample]:
         """This server's gauges for :mod:`dissoc.metrics` (read at scrape time): connections open, bytes
-        awaiting free_data, arena occupancy and evictions, bytes being received."""
+        awaiting free_data, arena occupancy and evictions, bytes being received, and each live stream's head,
+        retention, readers and lag."""
         for s in self._servers:
             yield "dissoc_server_connections_open", (s.role.value, s.transport), float(s.open_connections)
         awaiting = self.ledger.live_bytes if self.ledger is not None else 0
@@ -282,6 +283,17 @@ class Server:
             yield "dissoc_server_arena_capacity_bytes", memory, float(self.private.budget)
         if self.receive_budget is not None:
             yield "dissoc_server_receiving_bytes", (), float(self.receive_budget.used)
+        for name in self.catalog.names():
+            stream = self.catalog.get(name) if name in self.catalog else None
+            if isinstance(stream, LiveDataset):
+                held, nbytes = stream.retained
+                lags = stream.lags()
+                yield "dissoc_live_head_offset", (name,), float(stream.head)
+                yield "dissoc_live_first_offset", (name,), float(stream.first)
+                yield "dissoc_live_retained_batches", (name,), float(held)
+                yield "dissoc_live_retained_bytes", (name,), float(nbytes)
+                yield "dissoc_live_readers", (name,), float(len(lags))
+                yield "dissoc_live_max_lag_batches", (name,), float(max(lags, default=0))
 
     @property
     def uri(self) -> str:

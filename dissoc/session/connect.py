@@ -39,11 +39,11 @@ async def open_connection(uri: DissocURI, options: ClientOptions) -> Connection:
                 max_buffered_bytes=options.max_buffered_bytes,
                 **extra,
             ),
-            options.timeout,
+            options.connect_timeout,
         )
     except TimeoutError:
         raise TransportError(
-            f"connecting to {uri.host}:{uri.port}: no answer within {options.timeout} s"
+            f"connecting to {uri.host}:{uri.port}: no answer within {options.connect_timeout} s"
         ) from None
     except OSError as e:
         raise TransportError(f"connecting to {uri.host}:{uri.port} failed: {e}") from None

@@ -107,7 +107,10 @@ class Decoding:
         if data_uri.memory is not None and data_uri.params.get("arena") != "private":
             self.pairs = self._watched(
                 open_pair_reader(
-                    data_uri, zero_copy=options.zero_copy, on_release=on_release, timeout=options.timeout
+                    data_uri,
+                    zero_copy=options.zero_copy,
+                    on_release=on_release,
+                    timeout=options.connect_timeout,
                 )
             )
             self._arena = _arena_key(data_uri)
@@ -240,7 +243,7 @@ class Decoding:
                 announced,
                 zero_copy=self.options.zero_copy,
                 on_release=self._on_release,
-                timeout=self.options.timeout,
+                timeout=self.options.connect_timeout,
             )
         )
         self._arena = key

@@ -19,7 +19,9 @@ HOST_COPY = "host-copy"
 class ClientOptions:
     """Client limits.
 
-    ``timeout``: seconds to connect, and the longest silence tolerated while a stream is incomplete.
+    ``timeout``: seconds to connect, and the longest silence tolerated while a stream is incomplete; None:
+    no limit on silence (following a live stream, whose producer may pause for long; connecting still gives
+    up after 30 s, and keepalive still notices a server that is gone).
     ``max_in_flight_bytes``: received body bytes waiting for the consumer before reading pauses.
     ``max_buffered_bytes``: the transport's own read-ahead budget per connection.
     ``window``: how many sequence numbers metadata or bodies may run ahead of the next batch to release.
@@ -66,7 +68,7 @@ class ClientOptions:
     stream in progress also ends after ``timeout`` seconds without data.
     """
 
-    timeout: float = 30.0
+    timeout: float | None = 30.0
     max_in_flight_bytes: int = 256 << 20
     max_buffered_bytes: int = 64 << 20
     window: int = 4096
@@ -83,6 +85,11 @@ class ClientOptions:
     reuse_connections: bool | None = None
     require_device_path: bool = False
     keepalive: Keepalive | None = DEFAULT_KEEPALIVE
+
+    @property
+    def connect_timeout(self) -> float:
+        """Seconds to connect (and to set up a stream's memory): ``timeout``, or 30 when it is None."""
+        return self.timeout if self.timeout is not None else 30.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -255,11 +255,15 @@ class Session:
                 self.error = None
                 raise error
             loop = asyncio.get_running_loop()
-            if deadline is None:
-                deadline = loop.time() + self.options.timeout
+            limit = self.options.timeout
+            if deadline is None and limit is not None:
+                deadline = loop.time() + limit
             waiter = self._wakeup = loop.create_future()
             try:
-                await asyncio.wait_for(waiter, max(0.0, deadline - loop.time()))
+                if deadline is None:  # no limit on silence (following a live stream)
+                    await waiter
+                else:
+                    await asyncio.wait_for(waiter, max(0.0, deadline - loop.time()))
             except TimeoutError:
                 raise self._silence() from None
             finally:
