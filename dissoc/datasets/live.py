@@ -291,6 +291,9 @@ class LiveDataset(Dataset):
             self._wake()
             self._cond.notify_all()
 
+    def __enter__(self) -> LiveDataset:
+        return self
+
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         """``with server.publish(...) as stream:`` closes it, or fails it with the exception that left."""
         if exc is not None:
@@ -397,9 +400,9 @@ class LiveDataset(Dataset):
             return taken
 
     def _follow_sync(self, start: str | int) -> Iterator[pa.RecordBatch]:
-        self._wait_schema_sync()
         reader = self._attach(start)
         try:
+            self._wait_schema_sync()
             while True:
                 taken = self._take(reader, 64)
                 if taken is None:
@@ -437,15 +440,15 @@ class LiveDataset(Dataset):
     ) -> AsyncGenerator[Sequence[_Message], None]:
         """The stream's messages from ``start``, schema first, in chunks of what is ready, waiting (on the
         running loop) for appends; ends when the producer closes, raises when it failed."""
-        await self._wait(lambda: self._schema is not None or self._ended)
-        schema = self.schema if self._schema is not None else None
-        if schema is None:
-            raise DatasetError(f"live stream {self.name!r} ended before anything was published to it")
-        dictionaries = any(pa.types.is_dictionary(f.type) for f in _all_fields(schema))
-        shared = MessageEncoder(schema, compression=compression)
-        yield [(shared.schema_message().metadata, [], False)]
-        reader = self._attach(start)
+        reader = self._attach(start)  # from the request on: the retention keeps what it needs ("block")
         try:
+            await self._wait(lambda: self._schema is not None or self._ended)
+            if self._schema is None:
+                raise DatasetError(f"live stream {self.name!r} ended before anything was published to it")
+            schema = self._schema
+            dictionaries = any(pa.types.is_dictionary(f.type) for f in _all_fields(schema))
+            shared = MessageEncoder(schema, compression=compression)
+            yield [(shared.schema_message().metadata, [], False)]
             while True:
                 taken = self._take(reader, 256)
                 if taken is None:
