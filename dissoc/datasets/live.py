@@ -27,7 +27,7 @@ import asyncio
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +35,7 @@ import pyarrow as pa
 
 from dissoc.codec import MessageEncoder
 from dissoc.datasets.base import Dataset, DatasetError
-from dissoc.errors import ResourceError
+from dissoc.errors import ResourceError, TransportError
 
 __all__ = [
     "DEFAULT_MAX_BATCHES",
@@ -54,6 +54,8 @@ __all__ = [
 DEFAULT_MAX_BATCHES = 10_000
 DEFAULT_MAX_BYTES = 256 << 20
 ON_FULL = ("evict", "block", "refuse")
+#: Seconds between checks that a waiting reader's client is still there.
+_ALIVE_EVERY = 1.0
 EARLIEST, LATEST = "earliest", "latest"
 
 #: (metadata, body buffers, has a body): a message as :mod:`dissoc.datasets.messages` gives it.
@@ -424,8 +426,10 @@ class LiveDataset(Dataset):
             if self._schema is None:
                 raise DatasetError(f"live stream {self.name!r} ended before anything was published to it")
 
-    async def _wait(self, ready: Any) -> None:
-        """Wait (on this loop) until ``ready()`` holds, checked under the lock, or the stream changes."""
+    async def _wait(self, ready: Any, alive: Callable[[], bool] | None) -> None:
+        """Wait (on this loop) until ``ready()`` holds, checked under the lock. While it waits, ``alive()``
+        is asked every second: a reader whose client left ends (TransportError) instead of holding its place
+        until the next append."""
         loop = asyncio.get_running_loop()
         while True:
             with self._cond:
@@ -433,28 +437,37 @@ class LiveDataset(Dataset):
                     return
                 future: asyncio.Future[None] = loop.create_future()
                 self._waiters.append((loop, future))
-            await future
+            while not future.done():
+                await asyncio.wait((future,), timeout=_ALIVE_EVERY if alive is not None else None)
+                if alive is not None and not future.done() and not alive():
+                    raise TransportError(f"live stream {self.name!r}: the reader's connection closed")
 
     async def chunks(
-        self, start: str | int, compression: str | None
+        self, start: str | int, compression: str | None, alive: Callable[[], bool] | None = None
     ) -> AsyncGenerator[Sequence[_Message], None]:
         """The stream's messages from ``start``, schema first, in chunks of what is ready, waiting (on the
         running loop) for appends; ends when the producer closes, raises when it failed."""
-        reader = self._attach(start)  # from the request on: the retention keeps what it needs ("block")
+        behind: FellBehind | None = None
         try:
-            await self._wait(lambda: self._schema is not None or self._ended)
+            reader = self._attach(start)  # from the request on: the retention keeps what it needs ("block")
+        except FellBehind as e:  # told after the schema, as every error of a stream is
+            behind, reader = e, _Reader(0)
+        try:
+            await self._wait(lambda: self._schema is not None or self._ended, alive)
             if self._schema is None:
                 raise DatasetError(f"live stream {self.name!r} ended before anything was published to it")
             schema = self._schema
             dictionaries = any(pa.types.is_dictionary(f.type) for f in _all_fields(schema))
             shared = MessageEncoder(schema, compression=compression)
             yield [(shared.schema_message().metadata, [], False)]
+            if behind is not None:
+                raise behind
             while True:
                 taken = self._take(reader, 256)
                 if taken is None:
                     return
                 if not taken:
-                    await self._wait(lambda: reader.position < self._head or self._ended)
+                    await self._wait(lambda: reader.position < self._head or self._ended, alive)
                     continue
                 chunk: list[_Message] = []
                 for entry in taken:
@@ -501,8 +514,10 @@ class LiveView(Dataset):
     def open(self) -> Iterator[pa.RecordBatch]:
         return self.live._follow_sync(self.start)
 
-    def chunks(self, compression: str | None) -> AsyncGenerator[Sequence[_Message], None]:
-        return self.live.chunks(self.start, compression)
+    def chunks(
+        self, compression: str | None, alive: Callable[[], bool] | None = None
+    ) -> AsyncGenerator[Sequence[_Message], None]:
+        return self.live.chunks(self.start, compression, alive)
 
     def __repr__(self) -> str:
         return f"LiveView({self.live.name!r}, from {self.start})"

@@ -18,7 +18,7 @@ import contextlib
 import copy
 import threading
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeAlias, TypeGuard
 
 import pyarrow as pa
@@ -214,17 +214,17 @@ async def _parsed_chunks(source: Any) -> AsyncGenerator[Sequence[DatasetMessage]
 
 
 async def message_chunks(
-    dataset: Dataset, compression: str | None
+    dataset: Dataset, compression: str | None, alive: Callable[[], bool] | None = None
 ) -> AsyncGenerator[Sequence[DatasetMessage], None]:
     """Every message of the dataset's stream, schema first, in chunks that are never empty: a chunk is
     ready at once (no message of it waits on the source), which lets a server walk it without an await.
-    ``compression`` applies to encoded batches (stored data is forwarded as stored)."""
+    ``compression`` applies to encoded batches (stored data is forwarded as stored). A live stream waiting
+    for appends asks ``alive()`` (its client is still there) every second."""
     if isinstance(dataset, (LiveDataset, LiveView)):
-        live = (
-            dataset.chunks(compression)
-            if isinstance(dataset, LiveView)
-            else dataset.chunks(EARLIEST, compression)
-        )
+        if isinstance(dataset, LiveView):
+            live = dataset.chunks(compression, alive)
+        else:
+            live = dataset.chunks(EARLIEST, compression, alive)
         try:
             async for ready in live:
                 yield ready

@@ -113,7 +113,8 @@ async def stream_dataset(
     time to the first batch.
     """
     stream = ServerStream()
-    chunks = message_chunks(dataset, compression)
+    conn = out.conn
+    chunks = message_chunks(dataset, compression, alive=lambda: not conn.closed)
     metrics = SERVER
     metrics.streams_started.inc(role)
     begun = time.monotonic()  # 0.0 once the first batch went
