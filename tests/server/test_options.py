@@ -66,6 +66,10 @@ OLD_DEFAULTS: dict[str, Any] = {
 CLI_ONLY = {
     "paths",
     "per_file",
+    "live",
+    "live_max_batches",
+    "live_max_mib",
+    "live_on_full",
     "config",
     "log_format",
     "log_level",
