@@ -41,6 +41,8 @@ __all__ = [
     "is_manifest",
     "last_write",
     "part_ticket",
+    "remove_quietly",
+    "served_with_prefix",
     "written",
 ]
 
@@ -234,3 +236,25 @@ def last_write(location: str, name: str, *, access: Access = PLAIN) -> list[Writ
         return []
     job = parts[-1].job
     return [p for p in parts if p.job == job]
+
+
+def remove_quietly(location: str, ticket: str, access: Access = PLAIN) -> None:
+    """Remove ``ticket`` from the server; an unknown ticket (or an unreachable server) is only logged."""
+    from dissoc import flight
+
+    try:
+        flight.remove(location, ticket, **access.flight())
+        log.info("removed %r at %s", ticket, location)
+    except RemoteError as e:
+        if e.code != "unknown_ticket":
+            log.warning("could not remove %r at %s: %s", ticket, location, e)
+    except DissocError as e:
+        log.warning("could not remove %r at %s: %s", ticket, location, e)
+
+
+def served_with_prefix(location: str, prefix: str, access: Access = PLAIN) -> list[str]:
+    """The names served at ``location`` that start with ``prefix``."""
+    from dissoc import flight
+
+    listed = flight.list_datasets(location, **access.flight())
+    return [info.name for info in listed if info.name.startswith(prefix)]

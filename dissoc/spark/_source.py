@@ -28,7 +28,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from dissoc.errors import DissocError, RemoteError
+from dissoc.errors import DissocError
 from dissoc.spark._manifest import (
     PLAIN,
     Access,
@@ -42,6 +42,15 @@ from dissoc.spark._manifest import (
     manifest_jobs,
     part_ticket,
     read_manifest,
+    remove_quietly,
+    served_with_prefix,
+)
+from dissoc.spark._streaming import (
+    DissocStreamReader,
+    DissocStreamWriter,
+    checkpoint_producer,
+    live_target,
+    parse_starting_offsets,
 )
 from dissoc.spark._types import Conformer, arrow_target, spark_schema
 
@@ -245,6 +254,64 @@ class DissocDataSource(DataSource):
             access=self._access,
         )
 
+    # -- Structured Streaming (dissoc.spark._streaming)
+
+    def _count(self, key: str) -> int | None:
+        text = self._option(key)
+        if text is None:
+            return None
+        if not text.strip().isdigit() or int(text) < 1:
+            raise DissocError(f"option {key}: expected a whole number >= 1, got {text!r}")
+        return int(text)
+
+    def _live_stream(self, what: str) -> tuple[str, str]:
+        """(location, name) of the live stream a streaming query reads or appends to."""
+        location = self._option("location")
+        name = self._dataset_name()
+        if location is None or not name:
+            raise DissocError(
+                f"{what} needs a dissoc server's Flight control plane and a live stream's name: "
+                '.option("location", "grpc://HOST:PORT") and .load(NAME) / .start(NAME)'
+            )
+        return location, name
+
+    def streamReader(self, schema: StructType) -> DissocStreamReader:
+        """A reader of a live stream, micro-batch by micro-batch (driver; see :mod:`dissoc.spark`)."""
+        location, name = self._live_stream("spark.readStream.format('dissoc')")
+        if self._option("endpoints") is not None:
+            raise DissocError("a streaming read takes a location and a live stream's name, not endpoints")
+        return DissocStreamReader(
+            location,
+            name,
+            schema,
+            starting=parse_starting_offsets(self._option("startingOffsets")),
+            timeout=self._timeout,
+            validate=_truthy(self._option("validate"), True),
+            access=self._access,
+            max_batches_per_trigger=self._count("maxBatchesPerTrigger"),
+            max_partitions=self._count("maxPartitions") or 1,
+        )
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DissocStreamWriter:
+        """A sink appending each micro-batch to a live stream exactly once (checked first: the stream is
+        served, live, open, and has the query's columns)."""
+        location, name = self._live_stream("df.writeStream.format('dissoc')")
+        if overwrite:
+            raise DissocError(
+                f"live stream {name!r} is append-only: the complete output mode would append the whole "
+                "result again every micro-batch; use outputMode('append') or outputMode('update')"
+            )
+        target = live_target(location, name, schema, self._timeout, self._access)
+        return DissocStreamWriter(
+            location,
+            name,
+            target,
+            fallback_producer=checkpoint_producer(self._option("checkpointLocation")),
+            timeout=self._timeout,
+            cleanup_grace=self._seconds("cleanupGrace", DEFAULT_CLEANUP_GRACE),
+            access=self._access,
+        )
+
 
 def _resolve_location(
     location: str, name: str, timeout: float, access: Access = PLAIN
@@ -321,27 +388,6 @@ class DissocCommitMessage(WriterCommitMessage):
         self.part = part
 
 
-def _remove_quietly(location: str, ticket: str, access: Access = PLAIN) -> None:
-    """Remove ``ticket`` from the server; an unknown ticket (or an unreachable server) is only logged."""
-    from dissoc import flight
-
-    try:
-        flight.remove(location, ticket, **access.flight())
-        log.info("removed %r at %s", ticket, location)
-    except RemoteError as e:
-        if e.code != "unknown_ticket":
-            log.warning("could not remove %r at %s: %s", ticket, location, e)
-    except DissocError as e:
-        log.warning("could not remove %r at %s: %s", ticket, location, e)
-
-
-def _served_with_prefix(location: str, prefix: str, access: Access = PLAIN) -> list[str]:
-    from dissoc import flight
-
-    listed = flight.list_datasets(location, **access.flight())
-    return [info.name for info in listed if info.name.startswith(prefix)]
-
-
 class DissocWriter(DataSourceArrowWriter):
     """Publishes each partition to a dissoc server through its Flight control plane (:mod:`dissoc.spark`).
 
@@ -398,7 +444,7 @@ class DissocWriter(DataSourceArrowWriter):
             late = self._job_committed()
         except BaseException:
             # the upload may have landed before the failure
-            _remove_quietly(self.location, ticket, self.access)
+            remove_quietly(self.location, ticket, self.access)
             raise
         if late:
             log.info(
@@ -406,7 +452,7 @@ class DissocWriter(DataSourceArrowWriter):
                 self.job,
                 ticket,
             )
-            _remove_quietly(self.location, ticket, self.access)
+            remove_quietly(self.location, ticket, self.access)
         else:
             log.info(
                 "published partition %d (attempt %d) as %r: %d rows", partition, attempt, ticket, len(table)
@@ -425,9 +471,9 @@ class DissocWriter(DataSourceArrowWriter):
     def _remove_strays(self, keep: set[str]) -> int:
         """Remove this job's datasets not in ``keep``; how many were removed."""
         prefix = job_prefix(self.name, self.job)
-        strays = [t for t in _served_with_prefix(self.location, prefix, self.access) if t not in keep]
+        strays = [t for t in served_with_prefix(self.location, prefix, self.access) if t not in keep]
         for ticket in strays:
-            _remove_quietly(self.location, ticket, self.access)
+            remove_quietly(self.location, ticket, self.access)
         return len(strays)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
@@ -449,7 +495,7 @@ class DissocWriter(DataSourceArrowWriter):
         if self.overwrite:
             for p in old_parts:
                 if p.ticket not in committed:
-                    _remove_quietly(self.location, p.ticket, self.access)
+                    remove_quietly(self.location, p.ticket, self.access)
         log.info(
             "dissoc write job %s committed %d partition(s) under %r (%d stray attempt(s) removed)",
             self.job,
@@ -464,7 +510,7 @@ class DissocWriter(DataSourceArrowWriter):
 
         removed = 0
         for ticket in sorted({p.ticket for p in self._parts(messages)}):
-            _remove_quietly(self.location, ticket, self.access)
+            remove_quietly(self.location, ticket, self.access)
             removed += 1
         try:
             removed += self._remove_strays(set())
