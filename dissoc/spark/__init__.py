@@ -67,6 +67,22 @@ is gathered in the task before it is sent (a task failing upstream publishes not
 every published dataset in memory. Two jobs committing under one name at the same moment may lose one's
 manifest rows (its parts stay served): give concurrent writers different names.
 
+**Structured Streaming** — both ends of a live stream (:mod:`dissoc.datasets.live`, served with ``dissoc
+serve --flight PORT --live NAME`` or ``server.publish(NAME)``)::
+
+    q = (spark.readStream.format("dissoc").option("location", "grpc://HOST:PORT").load("events")
+         .writeStream.format("dissoc").option("location", "grpc://HOST:PORT")
+         .option("checkpointLocation", "/ckpt/events-out").start("events_out"))
+
+The source's offsets are the stream's batch offsets (``{"offset": N}``): ``startingOffsets`` (``earliest``,
+the default, ``latest`` or a number) for a new query, the checkpoint's after a restart;
+``maxBatchesPerTrigger`` caps a micro-batch, ``maxPartitions`` (1) splits it into contiguous ranges, one task
+each, and ``trigger(availableNow=True)`` stops at the head it found. Offsets the server no longer holds fail
+the query with ``fell_behind``, naming the first offset held. The sink is exactly once: each task stages its
+partition as ``NAME/_stream/QUERY/BATCH/...``; the driver's commit appends the micro-batch's staged data to
+the stream in one upload, at most once per (``spark:QUERY``, batch id), and removes what was staged. See
+:mod:`dissoc.spark._streaming` and the Spark guide.
+
 **Exchanging between executors** — :func:`exchange` inside a barrier stage::
 
     rdd.barrier().mapPartitions(lambda it: dissoc.spark.exchange(it, key="k"))  # RDD of pyarrow batches
