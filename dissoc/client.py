@@ -37,7 +37,7 @@ from dissoc.session.options import ClientOptions, FetchPath, FetchStats
 from dissoc.session.pool import pool_of
 from dissoc.session.reading import read_stream
 from dissoc.session.runners import LoopRunner, SharedRunner, ThreadRunner, close_idle_main, main_runner, run
-from dissoc.tokens import is_signed, peek
+from dissoc.tokens import is_signed, peek, split_start
 from dissoc.uri import DissocURI
 
 if TYPE_CHECKING:
@@ -116,6 +116,9 @@ def _signed_ticket(ticket: str | bytes, token: str | None) -> str | bytes:
     if claims is None:
         raise DissocError("ClientOptions.token is not a signed ticket (dissoc token prints one)")
     name = ticket if isinstance(ticket, str) else bytes(ticket).decode("utf-8", "replace")
+    base, start = split_start(name)
+    if start is not None and claims.name == base:
+        return f"{token}@{start}"  # a live stream from an offset: the token, then the offset
     if claims.name != name:
         raise DissocError("ClientOptions.token is for another dataset than the ticket asked for")
     return token

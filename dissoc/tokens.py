@@ -48,6 +48,7 @@ __all__ = [
     "Secret",
     "TokenError",
     "grants",
+    "split_start",
     "is_signed",
     "load_secret",
     "mint",
@@ -100,8 +101,21 @@ class Claims:
 
 def grants(token_name: str, name: str) -> bool:
     """Whether a token for ``token_name`` covers dataset ``name`` on a Flight control plane: the name itself,
-    the datasets under it (``token_name/...``: a Spark write's partitions), or any name for ``*``."""
-    return token_name == ANY_NAME or name == token_name or name.startswith(token_name + "/")
+    the datasets under it (``token_name/...``: a Spark write's partitions), the name read from an offset
+    (``token_name@OFFSET``, ``@earliest``, ``@latest``: a live stream), or any name for ``*``."""
+    if token_name == ANY_NAME or name == token_name or name.startswith(token_name + "/"):
+        return True
+    base, start = split_start(name)
+    return start is not None and base == token_name
+
+
+def split_start(ticket: str) -> tuple[str, str | None]:
+    """``("events", "12")`` for ``"events@12"`` (a live stream read from an offset: a number, ``earliest``
+    or ``latest``); ``(ticket, None)`` for anything else."""
+    base, at, start = ticket.rpartition("@")
+    if at and base and (start.isdigit() or start in ("earliest", "latest")):
+        return base, start
+    return ticket, None
 
 
 class Secret:

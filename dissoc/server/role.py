@@ -28,7 +28,7 @@ from dissoc.server.options import (
     DEFAULT_WANT_DATA_TIMEOUT,
 )
 from dissoc.server.stream import Outbox, StreamPart, stream_dataset
-from dissoc.tokens import Secret, TokenError
+from dissoc.tokens import Secret, TokenError, split_start
 from dissoc.transport import Connection, Listener, TaggedMessage, serve
 from dissoc.transport.base import ReceiveBudgetError
 from dissoc.uri import DissocURI
@@ -208,8 +208,15 @@ class RoleServer(abc.ABC):
             log.debug("want_data tag=%s ticket=%s on %s", fmt_tag(request.tag), shown, conn.description)
         if secret is not None:
             try:
-                # The dataset served is the one the signed ticket names (exactly: no prefix, no wildcard).
-                ticket = secret.verify(ticket, scope="read", peer=getattr(conn, "peer_identity", None)).name
+                # The dataset served is the one the signed ticket names (exactly: no prefix, no wildcard),
+                # read from an offset when the ticket is TOKEN@OFFSET (a live stream).
+                text = ticket if isinstance(ticket, str) else ticket.decode("utf-8", "replace")
+                token, start = split_start(text)
+                peer = getattr(conn, "peer_identity", None)
+                if start is None:
+                    ticket = secret.verify(ticket, scope="read", peer=peer).name
+                else:
+                    ticket = f"{secret.verify(token, scope='read', peer=peer).name}@{start}"
             except TokenError as e:
                 await self._unauthorized(conn, e)
                 return

@@ -154,3 +154,24 @@ async def test_a_remote_producer_appends_through_the_flight_plane() -> None:
         with pytest.raises(dissoc.DissocError, match="not a live stream"):
             plane.server.add("table", pa.table({"x": [1]}))
             await asyncio.to_thread(live_status, location, "table")
+
+
+async def test_a_token_for_the_stream_reads_it_from_any_offset() -> None:
+    from dissoc.tokens import Secret, grants
+
+    assert grants("ev", "ev@3") and grants("ev", "ev@latest") and not grants("ev", "ev@x")
+    assert not grants("ev", "other@3") and not grants("e", "ev@3")
+    secret = Secret.generate()
+    async with Server({}, secret=secret) as server:
+        stream = server.publish("ev")
+        for i in range(4):
+            stream.append(_batch(i))
+        stream.close()
+        token = secret.mint("ev", ttl=60)
+        assert await _follow(server.uri, f"{token}@2") == [2, 3]  # the signed ticket, then the offset
+        got = await dissoc.fetch_async(server.uri, "ev@1", options=ClientOptions(token=token))
+        assert got.column(0).unique().to_pylist() == [1, 2, 3]
+        with pytest.raises(RemoteError, match="unknown ticket 'other@2'"):  # a token names one dataset
+            await _follow(server.uri, f"{secret.mint('other', ttl=60)}@2")
+        with pytest.raises(RemoteError, match="ticket refused"):
+            await _follow(server.uri, "ev@2")  # the bare name is no credential
