@@ -16,6 +16,7 @@ from __future__ import annotations
 from dissoc.flight.client import (
     DatasetInfo,
     append,
+    append_staged,
     describe,
     list_datasets,
     live_close,
@@ -26,6 +27,7 @@ from dissoc.flight.client import (
 )
 from dissoc.flight.common import (
     ACTION_LIST_TICKETS,
+    ACTION_LIVE_APPEND_STAGED,
     ACTION_LIVE_CLOSE,
     ACTION_LIVE_STATUS,
     ACTION_REMOVE,
@@ -38,6 +40,7 @@ from dissoc.flight.server import FlightControlPlane, flight_server_class, serve_
 
 __all__ = [
     "ACTION_LIST_TICKETS",
+    "ACTION_LIVE_APPEND_STAGED",
     "ACTION_LIVE_CLOSE",
     "ACTION_LIVE_STATUS",
     "ACTION_REMOVE",
@@ -45,6 +48,7 @@ __all__ = [
     "FLIGHT_SCHEMES",
     "DatasetInfo",
     "append",
+    "append_staged",
     "Endpoint",
     "FlightControlPlane",
     "describe",

@@ -21,6 +21,7 @@ from dissoc.datasets import (
 )
 from dissoc.errors import DissocError, ProtocolError, RemoteError, TransportError
 from dissoc.flight.common import (
+    ACTION_LIVE_APPEND_STAGED,
     ACTION_LIVE_CLOSE,
     ACTION_LIVE_STATUS,
     ACTION_REMOVE,
@@ -359,6 +360,30 @@ def append(
         got = json.loads(ack.to_pybytes()) if ack is not None else {}
     except ValueError:
         got = {}
+    return got if isinstance(got, dict) else {}
+
+
+def append_staged(
+    location: str,
+    name: str,
+    tickets: list[str],
+    *,
+    producer: str,
+    sequence: int,
+    **options: Unpack[CallOptions],
+) -> dict[str, Any]:
+    """Append datasets the plane already serves (``tickets``, in order) to the live stream ``name``, at most
+    once per (``producer``, ``sequence``), without their data crossing this client (the
+    ``live-append-staged`` action). Returns the acknowledgement, as :func:`append` does."""
+    flight = flight_module()
+    body = json.dumps({"name": name, "producer": producer, "sequence": sequence, "from": tickets})
+    action = flight.Action(ACTION_LIVE_APPEND_STAGED, body.encode("utf-8"))
+
+    def act(client: Any, call: Any) -> list[Any]:
+        return list(client.do_action(action, call))
+
+    results = _call(location, f"action {ACTION_LIVE_APPEND_STAGED}({name!r})", act, options)
+    got = json.loads(results[0].body.to_pybytes()) if results else {}
     return got if isinstance(got, dict) else {}
 
 

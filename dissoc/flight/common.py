@@ -17,6 +17,7 @@ from dissoc.uri import UriError
 
 __all__ = [
     "ACTION_LIST_TICKETS",
+    "ACTION_LIVE_APPEND_STAGED",
     "ACTION_LIVE_CLOSE",
     "ACTION_LIVE_STATUS",
     "ACTION_REMOVE",
@@ -44,6 +45,10 @@ ACTION_LIST_TICKETS: Final = "list-tickets"
 #: ``ended``, retention, readers), and ending it.
 ACTION_LIVE_STATUS: Final = "live-status"
 ACTION_LIVE_CLOSE: Final = "live-close"
+#: DoAction type appending datasets the plane serves to a live stream, at most once per (producer,
+#: sequence); body JSON ``{"name", "producer", "sequence", "from": [tickets]}`` (an exactly-once commit that
+#: sends names, not data: the Spark streaming sink's).
+ACTION_LIVE_APPEND_STAGED: Final = "live-append-staged"
 
 _ACTIONS: Final = (
     (ACTION_REMOVE, 'Stop serving a dataset to new requests; body: its ticket. Result: JSON {"removed"}.'),

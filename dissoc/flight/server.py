@@ -54,6 +54,7 @@ from dissoc.datasets.live import LiveDataset
 from dissoc.errors import DissocError, TransportError
 from dissoc.flight.common import (
     ACTION_LIST_TICKETS,
+    ACTION_LIVE_APPEND_STAGED,
     ACTION_LIVE_CLOSE,
     ACTION_LIVE_STATUS,
     ACTION_REMOVE,
@@ -97,9 +98,11 @@ _ACTIONS: Final = (
         'A live stream\'s state; body: its name. Result: JSON {"head", "first", "ended", "retained_batches", '
         '"retained_bytes", "readers"}.',
     ),
+    (ACTION_LIVE_CLOSE, "End a live stream (readers then get its end); body: its name. Result: its state."),
     (
-        ACTION_LIVE_CLOSE,
-        'End a live stream (readers then get its end); body: its name. Result: JSON {"head"}.',
+        ACTION_LIVE_APPEND_STAGED,
+        'Append served datasets to a live stream at most once; body: JSON {"name", "producer", "sequence", '
+        '"from": [tickets]}. Result: JSON as DoPut\'s acknowledgement.',
     ),
 )
 
@@ -441,6 +444,49 @@ class _Handlers:
         }
         writer.write(pa.py_buffer(json.dumps(ack).encode()))
 
+    def _append_staged(self, body: bytes, claims: Claims | None) -> dict[str, Any]:
+        """The ``live-append-staged`` action: the batches of served datasets (in the order listed) appended
+        to a live stream together, at most once per (producer, sequence)."""
+        try:
+            request = json.loads(body)
+            name, producer, sequence = request["name"], request["producer"], request["sequence"]
+            sources = request["from"]
+        except (ValueError, TypeError, KeyError):
+            raise DatasetError(
+                'live-append-staged: expected JSON {"name", "producer", "sequence", "from": [tickets]}'
+            ) from None
+        if not (
+            isinstance(name, str)
+            and isinstance(producer, str)
+            and isinstance(sequence, int)
+            and isinstance(sources, list)
+            and all(isinstance(t, str) for t in sources)
+        ):
+            raise DatasetError("live-append-staged: name, producer (strings), sequence (int), from (tickets)")
+        self.authorize(claims, name, "write")
+        stream = self.server.catalog.get(name)
+        if not isinstance(stream, LiveDataset):
+            raise _error("not_live", f"{name!r} is not a live stream")
+        batches: list[pa.RecordBatch] = []
+        for ticket in sources:
+            self.authorize(claims, ticket)
+            batches.extend(self.server.catalog.get(ticket).open())
+        got = stream.append_once(batches, producer=producer, sequence=sequence)
+        log.info(
+            "Flight action: %d staged batches into live stream %r (%s)",
+            len(batches),
+            name,
+            "a repeat: skipped" if got is None else f"offsets {got[0]}..{got[1]}",
+        )
+        return {
+            "ticket": name,
+            "rows": 0 if got is None else sum(b.num_rows for b in batches),
+            "batches": 0 if got is None else len(batches),
+            "first": stream.head if got is None else got[0],
+            "head": stream.head,
+            "duplicate": got is None,
+        }
+
     # -- actions
 
     def do_action(self, kind: str, body: bytes, claims: Claims | None = None) -> list[bytes]:
@@ -452,6 +498,12 @@ class _Handlers:
                 removed = self.server.remove(ticket_name(body)).name
                 log.info("Flight action: removed %r", removed)
                 return [json.dumps({"removed": ticket_name(body)}).encode()]
+            if kind == ACTION_LIVE_APPEND_STAGED:
+                if self.read_only:
+                    raise _error(
+                        "read_only", "this control plane is read-only: live-append-staged is refused"
+                    )
+                return [json.dumps(self._append_staged(body, claims)).encode()]
             if kind in (ACTION_LIVE_STATUS, ACTION_LIVE_CLOSE):
                 name = ticket_name(body)
                 closing = kind == ACTION_LIVE_CLOSE

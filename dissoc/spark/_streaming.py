@@ -9,10 +9,11 @@ longer holds fail the query (``fell_behind``, naming the first offset held): nev
 
 **Sink** (``df.writeStream.format("dissoc")``): each write task stages its partition of micro-batch ``B``
 as a plain dataset ``NAME/_stream/QUERY/BBBBBBBBBB/PPPPP.A-XXXXXX`` (``QUERY`` is the streaming query's id,
-which a checkpoint keeps across restarts); the driver's commit appends the staged data, in partition order,
-to the live stream in one upload with ``producer=spark:QUERY, sequence=B``. The server appends an upload at
-most once per (producer, sequence), all together, so a retried task (only its successful attempt is named
-in the commit), a retried commit or a batch replayed after a restart never appends twice. The commit then
+which a checkpoint keeps across restarts); the driver's commit has the server append the staged data, in
+partition order, to the live stream (``live-append-staged``: names, no data, cross the driver) with
+``producer=spark:QUERY, sequence=B``. The server appends them at most once per (producer, sequence), so a
+retried task (only its successful attempt is named in the commit), a retried commit or a batch replayed after
+a restart never appends twice. The commit then
 removes the staged datasets of batches up to ``B`` (failed, speculative and late attempts included).
 
 Where each method runs: ``DissocStreamReader`` lives in one long-running Python process on the driver
@@ -443,18 +444,6 @@ class DissocStreamWriter(DataSourceStreamArrowWriter):
             (m.part for m in messages if isinstance(m, StreamCommitMessage)), key=lambda p: p.partition
         )
 
-    def _staged_batches(self, parts: Sequence[StagedPart]) -> Iterator[pa.RecordBatch]:
-        """The staged partitions' batches, in partition order, as they are fetched."""
-        from dissoc.client import open_stream
-
-        options = self.access.options(flight_timeout=self.timeout, timeout=self.timeout)
-        conform = Conformer(self.target)  # (the stream's schema may have been set since the tasks ran)
-        for part in parts:
-            assert part.ticket is not None
-            with open_stream(self.location, part.ticket, options=options) as stream:
-                for batch in stream:
-                    yield conform(batch)
-
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         """Append the micro-batch to the live stream at most once, then remove what was staged (driver)."""
         from dissoc import flight
@@ -472,11 +461,11 @@ class DissocStreamWriter(DataSourceStreamArrowWriter):
         staged = [p for p in parts if p.ticket is not None]
         rows = sum(p.rows for p in staged)
         if staged:
-            ack = flight.append(
+            # The server appends the staged datasets itself: the micro-batch's data never cross the driver.
+            ack = flight.append_staged(
                 self.location,
                 self.name,
-                self._staged_batches(staged),
-                schema=self.target,
+                [p.ticket for p in staged if p.ticket is not None],
                 producer=f"spark:{query}",
                 sequence=batchId,
                 **self.access.flight(),

@@ -133,7 +133,7 @@ async def test_a_follower_that_stops_early_detaches_and_metrics_show_the_stream(
 
 async def test_a_remote_producer_appends_through_the_flight_plane() -> None:
     pytest.importorskip("pyarrow.flight", reason="pyarrow.flight is not available in this pyarrow")
-    from dissoc.flight import append, live_close, live_status, serve_with_flight
+    from dissoc.flight import append, append_staged, live_close, live_status, serve_with_flight
 
     async with serve_with_flight({}) as plane:
         plane.server.publish("ev", _batch(0).schema)  # (GetFlightInfo needs a schema: declared, or published)
@@ -145,10 +145,16 @@ async def test_a_remote_producer_appends_through_the_flight_plane() -> None:
         once = [await asyncio.to_thread(append, location, "ev", _batch(2), producer="job", sequence=7)]
         once += [await asyncio.to_thread(append, location, "ev", _batch(2), producer="job", sequence=7)]
         assert [a["duplicate"] for a in once] == [False, True]
+        plane.server.add("ev/staged", pa.Table.from_batches([_batch(3), _batch(4)]))  # served already
+        staged = [
+            await asyncio.to_thread(append_staged, location, "ev", ["ev/staged"], producer="job", sequence=8)
+            for _ in range(2)
+        ]
+        assert [(a["duplicate"], a["batches"]) for a in staged] == [(False, 2), (True, 0)]
         status = await asyncio.to_thread(live_status, location, "ev")
-        assert status["head"] == 3 and not status["ended"]
+        assert status["head"] == 5 and not status["ended"]
         await asyncio.to_thread(live_close, location, "ev")
-        assert await within(20, follower, "follower") == [0, 1, 2]
+        assert await within(20, follower, "follower") == [0, 1, 2, 3, 4]
         with pytest.raises(dissoc.DissocError, match="is closed"):
             await asyncio.to_thread(append, location, "ev", _batch(3))
         with pytest.raises(dissoc.DissocError, match="not a live stream"):

@@ -29,6 +29,7 @@ from dissoc.datasets import GeneratedDataset
 from dissoc.errors import DissocError, ProtocolError, RemoteError, TransportError
 from dissoc.flight import (
     ACTION_LIST_TICKETS,
+    ACTION_LIVE_APPEND_STAGED,
     ACTION_LIVE_CLOSE,
     ACTION_LIVE_STATUS,
     ACTION_REMOVE,
@@ -209,7 +210,13 @@ async def test_do_action_remove_then_the_dataset_is_gone_everywhere() -> None:
         assert over_dissoc.value.code == "unknown_ticket"
         assert (await fetch_async(plane.server.uri, "b")).equals(table)
         actions = {a.type: a.description for a in client.list_actions()}
-    assert set(actions) == {ACTION_REMOVE, ACTION_LIST_TICKETS, ACTION_LIVE_STATUS, ACTION_LIVE_CLOSE}
+    assert set(actions) == {
+        ACTION_REMOVE,
+        ACTION_LIST_TICKETS,
+        ACTION_LIVE_STATUS,
+        ACTION_LIVE_CLOSE,
+        ACTION_LIVE_APPEND_STAGED,
+    }
     assert all(actions.values())
 
 
