@@ -98,7 +98,7 @@ def parse_start(start: str | int) -> str | int:
 @dataclass(eq=False)
 class _Entry:
     offset: int
-    batch: pa.RecordBatch
+    batch: Any  # a pa.RecordBatch, or a DeviceBatch on a device stream
     nbytes: int
     encoded: dict[str | None, list[_Message]] = field(default_factory=dict)
 
@@ -124,6 +124,7 @@ class LiveDataset(Dataset):
         max_bytes: int | None = DEFAULT_MAX_BYTES,
         on_full: str = "evict",
         block_timeout: float | None = 60.0,
+        device: bool = False,
     ) -> None:
         super().__init__(name)
         if "@" in name:
@@ -138,6 +139,9 @@ class LiveDataset(Dataset):
             if value is not None and value < 1:
                 raise DatasetError(f"live stream {name!r}: {what} must be >= 1 (or None: unbounded)")
         self._schema = schema
+        #: Batches are :class:`~dissoc.device.DeviceBatch` objects, sent from device memory.
+        self.device = device
+        self._schema_metadata: bytes | None = None
         self.max_batches = max_batches
         self.max_bytes = max_bytes
         self.on_full = on_full
@@ -217,14 +221,21 @@ class LiveDataset(Dataset):
         Thread-safe. With ``on_full="block"`` it may wait for readers (up to ``timeout``, by default the
         stream's ``block_timeout``): call it from a thread, not from the event loop serving the readers
         (from async code: ``await asyncio.to_thread(stream.append, batch)``)."""
-        if isinstance(batch, pa.Table):
+        if isinstance(batch, pa.Table) and not self.device:
             offset = self._head - 1
             for b in batch.to_batches():
                 offset = self.append(b, timeout=timeout)
             return offset
-        if not isinstance(batch, pa.RecordBatch):
+        if self.device:
+            from dissoc.device import DeviceBatch
+
+            if not isinstance(batch, DeviceBatch):
+                raise DatasetError(f"live stream {self.name!r} holds device batches: append a DeviceBatch")
+            nbytes = batch.nbytes
+        elif isinstance(batch, pa.RecordBatch):
+            nbytes = batch.get_total_buffer_size()
+        else:
             raise DatasetError(f"live stream {self.name!r}: append takes a pyarrow.RecordBatch or Table")
-        nbytes = batch.get_total_buffer_size()
         wait = self.block_timeout if timeout is None else timeout
         deadline = None if wait is None else time.monotonic() + wait
         with self._cond:
@@ -232,7 +243,9 @@ class LiveDataset(Dataset):
                 raise DatasetError(f"live stream {self.name!r} is closed: nothing more can be appended")
             if self._schema is None:
                 self._schema = batch.schema
-            elif not batch.schema.equals(self._schema):
+            if self.device and self._schema_metadata is None:
+                self._schema_metadata = batch.schema_metadata  # the device batches' Schema message
+            if not batch.schema.equals(self._schema):
                 raise DatasetError(
                     f"live stream {self.name!r}: the batch's schema differs from the stream's "
                     f"({batch.schema} is not {self._schema})"
@@ -415,7 +428,7 @@ class LiveDataset(Dataset):
                             self._cond.wait(1.0)
                     continue
                 for entry in taken:
-                    yield entry.batch
+                    yield entry.batch.to_arrow() if self.device else entry.batch
         finally:
             self._detach(reader)
 
@@ -466,7 +479,15 @@ class LiveDataset(Dataset):
             schema = self._schema
             dictionaries = any(pa.types.is_dictionary(f.type) for f in _all_fields(schema))
             shared = MessageEncoder(schema, compression=compression)
-            yield [(shared.schema_message().metadata, [], False)]
+            device = None
+            if self.device and compression is None:
+                from dissoc.device import DeviceEncoder
+
+                # The reader's own encoder: it sends each dictionary once to this reader, from device memory.
+                device = DeviceEncoder(schema, schema_metadata=self._schema_metadata)
+                yield [(device.schema_message().metadata, [], False)]
+            else:
+                yield [(shared.schema_message().metadata, [], False)]
             if behind is not None:
                 raise behind
             while True:
@@ -478,7 +499,10 @@ class LiveDataset(Dataset):
                     continue
                 chunk: list[_Message] = []
                 for entry in taken:
-                    chunk += self._encoded(entry, compression, None if dictionaries else shared)
+                    if device is not None:
+                        chunk += [(m.metadata, [m.body], True) for m in device.encode(entry.batch)]
+                    else:
+                        chunk += self._encoded(entry, compression, None if dictionaries else shared)
                 yield chunk
         finally:
             self._detach(reader)
@@ -490,10 +514,9 @@ class LiveDataset(Dataset):
         encoder: each batch carries the dictionaries it uses, whatever offset a reader started at."""
         messages = entry.encoded.get(compression)
         if messages is None:
-            encoder = (
-                shared if shared is not None else MessageEncoder(entry.batch.schema, compression=compression)
-            )
-            encoded = encoder.encode(entry.batch)
+            batch = entry.batch.to_arrow() if self.device else entry.batch  # (device batches, compressed)
+            encoder = shared if shared is not None else MessageEncoder(batch.schema, compression=compression)
+            encoded = encoder.encode(batch)
             messages = [(m.metadata, m.body_buffers, True) for m in encoded]
             entry.encoded[compression] = messages
         return messages

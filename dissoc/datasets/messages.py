@@ -19,7 +19,7 @@ import copy
 import threading
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
-from typing import Any, TypeAlias, TypeGuard
+from typing import Any, TypeAlias
 
 import pyarrow as pa
 
@@ -42,9 +42,14 @@ def same_every_time(dataset: Dataset) -> bool:
     return isinstance(dataset, (TableDataset, IpcFileDataset, IpcStreamDataset, DeviceDataset))
 
 
-def device_bodies(dataset: Dataset, compression: str | None) -> TypeGuard[DeviceDataset]:
-    """Whether the dataset's bodies are sent from device memory (device batches, served uncompressed)."""
-    return isinstance(dataset, DeviceDataset) and compression is None
+def device_bodies(dataset: Dataset, compression: str | None) -> bool:
+    """Whether the dataset's bodies are sent from device memory (device batches, or a live stream of them,
+    served uncompressed)."""
+    if compression is not None:
+        return False
+    if isinstance(dataset, LiveView):
+        return dataset.live.device
+    return isinstance(dataset, DeviceDataset) or (isinstance(dataset, LiveDataset) and dataset.device)
 
 
 async def _batches(dataset: Dataset) -> AsyncIterator[pa.RecordBatch]:
@@ -239,7 +244,7 @@ async def message_chunks(
         async for parsed in _parsed_chunks(dataset.path):
             yield parsed
         return
-    if device_bodies(dataset, compression):
+    if isinstance(dataset, DeviceDataset) and compression is None:
         from dissoc.device import DeviceEncoder
 
         batches = dataset.batches

@@ -198,12 +198,14 @@ class Server:
         max_bytes: int | None = DEFAULT_MAX_BYTES,
         on_full: str = "evict",
         block_timeout: float | None = 60.0,
+        device: bool = False,
         replace: bool = False,
     ) -> LiveDataset:
         """Serve a live stream under ``name`` and return it: ``append(batch)`` batches as they are made (from
         any thread), then ``close()`` (or ``fail(error)``; ``with server.publish(...) as stream:`` does
         either). Readers ask for ``NAME`` or ``NAME@OFFSET`` (``earliest``, ``latest``, a number) and follow
-        it as it grows. Retention (``max_batches``, ``max_bytes``, ``on_full``): see
+        it as it grows. ``device=True``: a stream of :class:`~dissoc.device.DeviceBatch` objects, sent from
+        device memory. Retention (``max_batches``, ``max_bytes``, ``on_full``): see
         :mod:`dissoc.datasets.live`."""
         stream = LiveDataset(
             name,
@@ -212,6 +214,7 @@ class Server:
             max_bytes=max_bytes,
             on_full=on_full,
             block_timeout=block_timeout,
+            device=device,
         )
         self.add(name, stream, replace=replace)
         return stream

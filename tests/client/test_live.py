@@ -181,3 +181,29 @@ async def test_a_token_for_the_stream_reads_it_from_any_offset() -> None:
             await _follow(server.uri, f"{secret.mint('other', ttl=60)}@2")
         with pytest.raises(RemoteError, match="ticket refused"):
             await _follow(server.uri, "ev@2")  # the bare name is no credential
+
+
+async def test_a_device_stream_sends_from_device_memory() -> None:
+    """A stream of DeviceBatch objects (on the fake device): bodies sent from device memory, read on the
+    host and landing on the device; host batches are refused by it, as device batches by a host stream."""
+    from dissoc.device import DeviceBatch
+    from dissoc.memory.cuda import FakeDeviceBackend, use_backend
+
+    source = [_batch(i) for i in range(3)]
+    with use_backend(FakeDeviceBackend()):
+        async with Server({}) as server:
+            stream = server.publish("dev", device=True)
+            with pytest.raises(dissoc.DissocError, match="append a DeviceBatch"):
+                stream.append(source[0])
+            for b in DeviceBatch.from_batches(source[0].schema, source):
+                stream.append(b)
+            stream.close()
+            host = await dissoc.fetch_async(server.uri, "dev@1")
+            assert host.equals(pa.Table.from_batches(source[1:]))
+            landed = [
+                b async for b in stream_batches(server.uri, "dev", options=ClientOptions(landing="device"))
+            ]
+            assert all(isinstance(b, DeviceBatch) for b in landed)
+            assert DeviceBatch.to_table(landed).equals(pa.Table.from_batches(source))
+            with pytest.raises(dissoc.DissocError, match=r"takes a pyarrow\.RecordBatch"):
+                server.publish("host").append(DeviceBatch.from_arrow(source[0]))
