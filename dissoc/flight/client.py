@@ -294,20 +294,7 @@ def publish(
         descriptor = flight.FlightDescriptor.for_command(json.dumps({"name": name, "replace": True}))
     else:
         descriptor = flight.FlightDescriptor.for_path(name)
-    source = data
-
-    def upload(client: Any, call: Any) -> Any:
-        writer, ack_reader = client.do_put(descriptor, source.schema, call)
-        with writer:  # close() reports the server's verdict
-            if isinstance(source, pa.Table):
-                writer.write_table(source)
-            else:
-                for batch in source:
-                    writer.write_batch(batch)
-            writer.done_writing()
-            return ack_reader.read()
-
-    ack = _call(location, f"DoPut({name!r})", upload, options, timeout=None)
+    ack = _call(location, f"DoPut({name!r})", _uploader(descriptor, data.schema, data), options, timeout=None)
     try:
         return int(json.loads(ack.to_pybytes())["rows"]) if ack is not None else -1
     except (ValueError, KeyError, TypeError):
@@ -342,19 +329,7 @@ def append(
     if close:
         command["close"] = True
     descriptor = flight.FlightDescriptor.for_command(json.dumps(command))
-    source = data
-
-    def upload(client: Any, call: Any) -> Any:
-        writer, ack_reader = client.do_put(descriptor, source_schema, call)
-        with writer:
-            if isinstance(source, pa.Table):
-                writer.write_table(source)
-            else:
-                for batch in source:
-                    writer.write_batch(batch)
-            writer.done_writing()
-            return ack_reader.read()
-
+    upload = _uploader(descriptor, source_schema, data)
     ack = _call(location, f"DoPut({name!r}, live)", upload, options, timeout=None)
     try:
         got = json.loads(ack.to_pybytes()) if ack is not None else {}
@@ -410,6 +385,25 @@ def _live_action(location: str, kind: str, name: str, options: CallOptions) -> d
     )
     got = json.loads(results[0].body.to_pybytes()) if results else {}
     return got if isinstance(got, dict) else {}
+
+
+def _uploader(
+    descriptor: Any, schema: pa.Schema, source: pa.Table | pa.RecordBatchReader | Iterable[pa.RecordBatch]
+) -> Callable[[Any, Any], Any]:
+    """A DoPut of ``source`` (batch by batch), returning the server's acknowledgement."""
+
+    def upload(client: Any, call: Any) -> Any:
+        writer, ack_reader = client.do_put(descriptor, schema, call)
+        with writer:  # close() reports the server's verdict
+            if isinstance(source, pa.Table):
+                writer.write_table(source)
+            else:
+                for batch in source:
+                    writer.write_batch(batch)
+            writer.done_writing()
+            return ack_reader.read()
+
+    return upload
 
 
 def remove(location: str, name: str | bytes, **options: Unpack[CallOptions]) -> None:

@@ -186,12 +186,16 @@ class Listings:
 
 class ServerThread:
     """A ``dissoc.Server`` running on its own event loop in a daemon thread (for the synchronous client API,
-    which must not share the test's loop). Use as a context manager; ``.uri`` and ``.data_uri`` once entered.
+    which must not share the test's loop). Use as a context manager; ``.uri`` and ``.data_uri`` once entered;
+    with ``flight=True`` a Flight control plane in front of it too (``.location``).
     """
 
-    def __init__(self, datasets: dict[str, Any], **server_options: Any) -> None:
+    def __init__(self, datasets: dict[str, Any], *, flight: bool = False, **server_options: Any) -> None:
         self._datasets = datasets
         self._options = server_options
+        self._flight = flight
+        #: With ``flight=True``: the Flight control plane in front of the server (``grpc://...``).
+        self.location = ""
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -207,6 +211,15 @@ class ServerThread:
 
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
+            if self._flight:
+                from dissoc.flight import serve_with_flight
+
+                async with serve_with_flight(self._datasets, **self._options) as plane:
+                    self.location, self.server = plane.location, plane.server
+                    self.uri, self.data_uri = plane.server.uri, plane.server.data_uri
+                    self._ready.set()
+                    await self._stop.wait()
+                return
             async with Server(self._datasets, **self._options) as server:
                 self.uri, self.data_uri = server.uri, server.data_uri
                 self.server = server

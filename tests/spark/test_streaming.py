@@ -11,18 +11,16 @@ start a query (seconds each on two busy cores): the tests use few, small batches
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pytest
-from helpers.e2e import REPO
+from helpers.e2e import REPO, ServerThread
 
 from dissoc.errors import DissocError
 
@@ -45,52 +43,11 @@ def _batch(start: int, rows: int = 3) -> pa.RecordBatch:
 # ------------------------------------------------------------------------------------------------- fixtures
 
 
-class FlightThread:
-    """``serve_with_flight({})`` on its own event loop in a daemon thread: ``.location``, ``.server``."""
-
-    def __init__(self) -> None:
-        self._ready = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._error: BaseException | None = None
-        self.location = ""
-        self.server: Any = None
-        self._thread = threading.Thread(target=self._run, name="streaming-server", daemon=True)
-
-    def _run(self) -> None:
-        async def main() -> None:
-            from dissoc.flight import serve_with_flight
-
-            self._loop = asyncio.get_running_loop()
-            self._stop = asyncio.Event()
-            async with serve_with_flight({}, host="127.0.0.1") as plane:
-                self.location, self.server = plane.location, plane.server
-                self._ready.set()
-                await self._stop.wait()
-
-        try:
-            asyncio.run(main())
-        except BaseException as e:
-            self._error = e
-        finally:
-            self._ready.set()
-
-    def __enter__(self) -> FlightThread:
-        self._thread.start()
-        if not self._ready.wait(20) or self._error is not None:
-            raise RuntimeError(f"the server thread did not start: {self._error!r}")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(20)
-
-
 @pytest.fixture(scope="module")
-def plane() -> Iterator[FlightThread]:
+def plane() -> Iterator[ServerThread]:
+    """``serve_with_flight({})`` in a thread: ``.location``, ``.server``."""
     pytest.importorskip("pyarrow.flight")
-    with FlightThread() as running:
+    with ServerThread({}, flight=True, host="127.0.0.1") as running:
         yield running
 
 
@@ -191,7 +148,7 @@ def test_ranges_offsets_and_options_without_spark() -> None:
     assert stage_prefix("out", "q", 7) == "out/_stream/q/0000000007/"
 
 
-def test_the_sink_appends_a_batch_once_and_removes_what_was_staged(plane: FlightThread) -> None:
+def test_the_sink_appends_a_batch_once_and_removes_what_was_staged(plane: ServerThread) -> None:
     """The driver's commit, called as Spark calls it, twice for one batch id: one append."""
     pytest.importorskip("pyspark")
     from dissoc import flight
@@ -218,7 +175,7 @@ def test_the_sink_appends_a_batch_once_and_removes_what_was_staged(plane: Flight
     assert _staged(plane.location, "unit_out") == []
 
 
-def test_the_reader_offsets_and_partitions_without_spark(plane: FlightThread) -> None:
+def test_the_reader_offsets_and_partitions_without_spark(plane: ServerThread) -> None:
     """The stream reader's methods called in this process, as Spark's driver and tasks call them."""
     pytest.importorskip("pyspark")
     from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
@@ -267,7 +224,7 @@ def test_the_reader_offsets_and_partitions_without_spark(plane: FlightThread) ->
 
 
 def test_the_source_reads_what_is_appended_and_a_restarted_query_every_batch_once(
-    spark: Any, plane: FlightThread, tmp_path: Path
+    spark: Any, plane: ServerThread, tmp_path: Path
 ) -> None:
     stream = plane.server.publish("events", SCHEMA)
     first = [_batch(0), _batch(3, 0), _batch(3)]  # an empty batch takes an offset too
@@ -320,7 +277,7 @@ def test_the_source_reads_what_is_appended_and_a_restarted_query_every_batch_onc
 
 
 def test_a_query_behind_the_retention_fails_naming_the_first_offset_held(
-    spark: Any, plane: FlightThread, tmp_path: Path
+    spark: Any, plane: ServerThread, tmp_path: Path
 ) -> None:
     from pyspark.errors import StreamingQueryException
 
@@ -344,7 +301,7 @@ def test_a_query_behind_the_retention_fails_naming_the_first_offset_held(
         query.awaitTermination(120)
 
 
-def test_the_sink_says_how_to_make_a_missing_stream(plane: FlightThread) -> None:
+def test_the_sink_says_how_to_make_a_missing_stream(plane: ServerThread) -> None:
     """Checked where Spark asks for the sink (on the driver), before any micro-batch runs."""
     pytest.importorskip("pyspark")
     from pyspark.sql.types import LongType, StringType, StructField, StructType
@@ -390,7 +347,7 @@ def _fail_once(marker: str) -> Any:
 
 
 def test_the_sink_appends_every_row_exactly_once_through_failures_and_replays(
-    spark: Any, plane: FlightThread, tmp_path: Path
+    spark: Any, plane: ServerThread, tmp_path: Path
 ) -> None:
     source = plane.server.publish("sink_in", SCHEMA)
     out = plane.server.publish("sink_out", SCHEMA)
