@@ -20,7 +20,7 @@ from typing import Any, Self
 import pyarrow as pa
 
 from dissoc.datasets import Catalog, Dataset, UnknownTicket
-from dissoc.datasets.live import DEFAULT_MAX_BATCHES, DEFAULT_MAX_BYTES, LiveDataset
+from dissoc.datasets.live import LiveDataset
 from dissoc.memory.cuda_arena import DeviceArena
 from dissoc.memory.pairs import ServedArena
 from dissoc.memory.placements import Placements
@@ -190,32 +190,15 @@ class Server:
         return dataset
 
     def publish(
-        self,
-        name: str,
-        schema: pa.Schema | None = None,
-        *,
-        max_batches: int | None = DEFAULT_MAX_BATCHES,
-        max_bytes: int | None = DEFAULT_MAX_BYTES,
-        on_full: str = "evict",
-        block_timeout: float | None = 60.0,
-        device: bool = False,
-        replace: bool = False,
+        self, name: str, schema: pa.Schema | None = None, *, replace: bool = False, **options: Any
     ) -> LiveDataset:
         """Serve a live stream under ``name`` and return it: ``append(batch)`` batches as they are made (from
         any thread), then ``close()`` (or ``fail(error)``; ``with server.publish(...) as stream:`` does
         either). Readers ask for ``NAME`` or ``NAME@OFFSET`` (``earliest``, ``latest``, a number) and follow
-        it as it grows. ``device=True``: a stream of :class:`~dissoc.device.DeviceBatch` objects, sent from
-        device memory. Retention (``max_batches``, ``max_bytes``, ``on_full``): see
-        :mod:`dissoc.datasets.live`."""
-        stream = LiveDataset(
-            name,
-            schema,
-            max_batches=max_batches,
-            max_bytes=max_bytes,
-            on_full=on_full,
-            block_timeout=block_timeout,
-            device=device,
-        )
+        it as it grows. ``options`` are :class:`~dissoc.datasets.LiveDataset`'s: the retention
+        (``max_batches``, ``max_bytes``, ``on_full``, ``block_timeout``) and ``device=True`` for a stream of
+        :class:`~dissoc.device.DeviceBatch` objects, sent from device memory."""
+        stream = LiveDataset(name, schema, **options)
         self.add(name, stream, replace=replace)
         return stream
 
