@@ -27,7 +27,7 @@ from dissoc.datasets.base import (
 )
 from dissoc.datasets.files import IpcFileDataset, IpcStreamDataset, ParquetDataset
 from dissoc.datasets.in_memory import DeviceDataset, ReaderFactoryDataset, TableDataset, table_of
-from dissoc.datasets.live import LiveDataset, split_ticket
+from dissoc.datasets.live import LiveDataset
 from dissoc.datasets.tabular import (
     COMPRESSION_SUFFIXES,
     TABULAR_SUFFIXES,
@@ -36,6 +36,7 @@ from dissoc.datasets.tabular import (
     file_format,
 )
 from dissoc.errors import CodecError
+from dissoc.tokens import split_start
 
 log = logging.getLogger(__name__)
 
@@ -250,11 +251,12 @@ class Catalog:
         key = _ticket_name(ticket)
         with self._lock:
             dataset = self._datasets.get(key)
-            if dataset is None and (live := split_ticket(key)) is not None:
+            base, start = split_start(key)
+            if dataset is None and start is not None:
                 # NAME@START: a live stream read from START
-                stream = self._datasets.get(live[0])
+                stream = self._datasets.get(base)
                 if isinstance(stream, LiveDataset):
-                    return stream.view(live[1])
+                    return stream.view(start)
         if dataset is None:
             raise UnknownTicket(ticket, f"unknown ticket {quote_ticket(key)}: no such dataset")
         return dataset

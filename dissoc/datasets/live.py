@@ -47,7 +47,6 @@ __all__ = [
     "LiveView",
     "RetentionFull",
     "parse_start",
-    "split_ticket",
 ]
 
 #: Retention defaults: the last 10,000 batches, and at most 256 MiB of them.
@@ -73,12 +72,6 @@ class RetentionFull(ResourceError):
     (``"block"``)."""
 
     code = "retention_full"
-
-
-def split_ticket(name: str) -> tuple[str, str] | None:
-    """``("events", "12")`` for ``"events@12"``; None when there is no ``@``."""
-    base, at, start = name.rpartition("@")
-    return (base, start) if at and base else None
 
 
 def parse_start(start: str | int) -> str | int:
@@ -477,8 +470,8 @@ class LiveDataset(Dataset):
             if self._schema is None:
                 raise DatasetError(f"live stream {self.name!r} ended before anything was published to it")
             schema = self._schema
-            dictionaries = any(pa.types.is_dictionary(f.type) for f in _all_fields(schema))
             shared = MessageEncoder(schema, compression=compression)
+            dictionaries = bool(shared.ids.by_path)  # (the encoder's own walk, extension types included)
             device = None
             if self.device and compression is None:
                 from dissoc.device import DeviceEncoder
@@ -551,17 +544,6 @@ class LiveView(Dataset):
 
     def __repr__(self) -> str:
         return f"LiveView({self.live.name!r}, from {self.start})"
-
-
-def _all_fields(schema: pa.Schema) -> Iterator[pa.Field]:
-    stack = list(schema)
-    while stack:
-        f = stack.pop()
-        yield f
-        t = f.type
-        if pa.types.is_dictionary(t):
-            continue
-        stack.extend(t.field(i) for i in range(t.num_fields))
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -12,8 +12,9 @@ import pyarrow as pa
 import pytest
 
 from dissoc.datasets import Catalog, DatasetError, LiveDataset, LiveView
-from dissoc.datasets.live import FellBehind, RetentionFull, parse_start, split_ticket
+from dissoc.datasets.live import FellBehind, RetentionFull, parse_start
 from dissoc.datasets.messages import message_chunks
+from dissoc.tokens import split_start
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -44,9 +45,10 @@ async def _read(stream: LiveDataset | LiveView, *, limit: int | None = None) -> 
 
 
 def test_tickets_and_starts() -> None:
-    assert split_ticket("events@12") == ("events", "12")
-    assert split_ticket("a@b@latest") == ("a@b", "latest")
-    assert split_ticket("events") is None and split_ticket("@5") is None
+    assert split_start("events@12") == ("events", "12")
+    assert split_start("a@b@latest") == ("a@b", "latest")
+    assert split_start("events") == ("events", None) and split_start("@5") == ("@5", None)
+    assert split_start("events@soon") == ("events@soon", None)
     assert parse_start("earliest") == "earliest" and parse_start(" LATEST ") == "latest"
     assert parse_start("7") == 7 and parse_start(0) == 0
     for bad in ("-1", "soon", -3, "1.5"):
