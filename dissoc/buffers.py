@@ -168,6 +168,7 @@ class BufferPool:
         self._slab_max = slab_max
         self._slab_bytes = slab_bytes
         self._slab: U8Array = _NO_SLAB
+        self._slab_address = 0
         self._slab_pos = 0
         # Raw arrays behind slabs, reused once nothing carved from them is alive (fresh pages cost a fault
         # each on first write, more than the copy into them).
@@ -234,6 +235,23 @@ class BufferPool:
         if self._held + size > self._max_bytes and entries > _SCAN_FREELY:
             self._evict_skip = _EVICT_BACKOFF  # all in use: the next few do not look again
 
+    def allocate_at(self, length: int) -> tuple[U8Array, int]:
+        """:meth:`allocate`, and the array's address (for a transport that hands its library addresses)."""
+        if length <= self._slab_max:
+            alignment = self._alignment
+            with self._lock:
+                pos = self._slab_pos
+                end = pos + length
+                slab = self._slab
+                if end > slab.nbytes:
+                    slab = self._slab = self._next_slab()
+                    self._slab_address = int(slab.ctypes.data)
+                    pos, end = 0, length
+                self._slab_pos = (end + alignment - 1) & -alignment
+                return slab[pos:end], self._slab_address + pos
+        array = self.allocate(length)
+        return array, int(array.ctypes.data)
+
     def allocate(self, length: int) -> U8Array:
         """An uninitialised aligned uint8 array of ``length`` bytes; reuses an idle pooled one if it can."""
         alignment = self._alignment
@@ -244,6 +262,7 @@ class BufferPool:
                 slab = self._slab
                 if end > slab.nbytes:
                     slab = self._slab = self._next_slab()
+                    self._slab_address = int(slab.ctypes.data)
                     pos, end = 0, length
                 self._slab_pos = (end + alignment - 1) & -alignment
                 return slab[pos:end]

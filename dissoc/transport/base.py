@@ -49,6 +49,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, Protocol, Self, TypeAlias
 
+import numpy as np
 import pyarrow as pa
 
 from dissoc.buffers import DEFAULT_POOL, BytesLike, byte_view, default_allocator, device_nbytes
@@ -646,6 +647,18 @@ class Connection(abc.ABC):
                 f"{view.nbytes} bytes"
             )
         return buffer, view
+
+    def _allocate_at(self, tag: int, length: int) -> tuple[BytesLike, memoryview, int]:
+        """:meth:`_allocate`, and the address of the buffer's first byte (a device buffer's device address),
+        for a transport that hands its library addresses."""
+        if self._allocator is default_allocator:
+            pooled, address = DEFAULT_POOL.allocate_at(length)
+            return pooled, pooled.data, address
+        buffer, view = self._allocate(tag, length)
+        interface = getattr(buffer, "__cuda_array_interface__", None)
+        if interface is not None:
+            return buffer, view, int(interface["data"][0])
+        return buffer, view, int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
     def _deliver(self, tag: int | None, payload: BytesLike, nbytes: int) -> None:
         """Hand a received message (``tag`` None: untagged) to the receiver, the consumer that waited longest

@@ -70,6 +70,7 @@ EXPECTED_LAYOUT: dict[str, tuple[type[ctypes.Structure], int, dict[str, int]]] =
             "exported_memh_buffer": 40,
         },
     ),
+    "ucp_tag_recv_info_t": (libucp.UcpTagRecvInfo, 16, {"sender_tag": 0, "length": 8}),
     "ucp_transport_entry_t": (libucp.UcpTransportEntry, 16, {"transport_name": 0, "device_name": 8}),
     "ucp_transports_t": (libucp.UcpTransports, 24, {"entries": 0, "num_entries": 8, "entry_size": 16}),
     "ucp_ep_attr_t": (

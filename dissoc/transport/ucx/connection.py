@@ -7,6 +7,7 @@ import base64
 import binascii
 import collections
 import contextlib
+import ctypes
 import logging
 import socket
 import time
@@ -36,7 +37,7 @@ from dissoc.transport.base import (
 )
 from dissoc.transport.ucx.am import AmReceiver
 from dissoc.transport.ucx.driver import MAX_ROUNDS, Driver, Pending
-from dissoc.transport.ucx.endpoint import RawEndpoint, flush
+from dissoc.transport.ucx.endpoint import RawEndpoint, RawRequest, flush
 from dissoc.transport.ucx.handshake import (
     BYE_TAG,
     HELLO_TAG,
@@ -53,11 +54,11 @@ from dissoc.transport.ucx.library import (
     endpoint_alive,
     ucx_array,
     ucx_context,
-    ucx_mask,
     ucx_tag,
     ucxx_lib,
 )
-from dissoc.transport.ucx.libucp import ep_transports
+from dissoc.transport.ucx.libucp import UcpRequestParam, UcpTagRecvInfo, ep_transports
+from dissoc.transport.ucx.libucp import lib as libucp
 from dissoc.transport.ucx.peer_info import PeerInfoExchange
 
 __all__ = ["PATHS", "UcxConnection", "connect_ucx"]
@@ -84,6 +85,11 @@ SEND_WINDOW = 512
 SEND_STALL_TIMEOUT: float | None = 300.0
 #: Largest buffer a message that arrives after the close is received into (larger ones are truncated).
 _DISCARD_BYTES = 1 << 20
+#: The parameters of every tagged receive (contiguous bytes, no callback: requests are polled), and the
+#: request of one UCX completed at once (an eager message that had arrived whole).
+_RECV_PARAM = UcpRequestParam()
+_RECV_PARAM_REF = ctypes.byref(_RECV_PARAM)
+_RECEIVED = RawRequest(None, None, "")
 
 
 class _TaggedRecv:
@@ -160,10 +166,14 @@ class UcxConnection(Connection):
         self._bootstrap: Any = bootstrap
         self._bootstrap_driver = bootstrap_driver
         self._tagged: collections.deque[_TaggedRecv] = collections.deque()
-        # The tag and masks most probes use, made once.
-        self._tag_any = ucx_tag(0)
-        self._mask_any = ucx_mask(0)
-        self._mask_all = ucx_mask(TAG_MASK_ALL)
+        # Tagged messages are probed and received through libucp (see _probe).
+        self._worker_handle = int(self._worker.handle)
+        ucp = libucp()
+        self._probe_nb = ucp.ucp_tag_probe_nb
+        self._msg_recv = ucp.ucp_tag_msg_recv_nbx
+        self._info = UcpTagRecvInfo()
+        self._info_ref = ctypes.byref(self._info)
+        self._recv_what = f"{description}: receiving tagged message"
         self._inflight = 0
         #: Sends posted and not known to be completed, oldest first (see send_many).
         self._sending: collections.deque[_Send] = collections.deque()
@@ -525,8 +535,11 @@ class UcxConnection(Connection):
         return activity
 
     def _probe(self, tag: int, mask: int, waiter: Waiter | None, force: bool) -> bool:
-        """Receive the oldest message matching ``tag``/``mask`` if there is one and it may be taken now."""
-        worker = self._worker
+        """Receive the oldest message matching ``tag``/``mask`` if there is one and it may be taken now.
+
+        Straight through libucp (``ucp_tag_probe_nb``, ``ucp_tag_msg_recv_nbx``): an eager message that has
+        arrived whole is received at once, and none needs an object of ucxx's per message.
+        """
         wanted = waiter is not None
         # When any message of an admissible size would be taken, it is taken by the first probe; otherwise
         # the first only looks (its length decides), and a second one takes it.
@@ -537,17 +550,15 @@ class UcxConnection(Connection):
         else:
             used = self._buffered + self._inflight
             certain = wanted or used == 0 or used + self._max_message_bytes <= self._max_buffered_bytes
-        if tag == 0 and mask == 0:
-            probe = worker.tag_probe(self._tag_any, self._mask_any, certain)
-        else:
-            probe = worker.tag_probe(ucx_tag(tag), ucx_mask(mask), certain)
-        if not probe.matched:
+        info = self._info
+        message = self._probe_nb(self._worker_handle, tag, mask, certain, self._info_ref)
+        if not message:
             return False
         self._heard = True
-        found = int(probe.sender_tag.value)
-        length = int(probe.length)
+        found = info.sender_tag
+        length = info.length
         if found == BYE_TAG:
-            self._take_bye(length, probe if certain else None)
+            self._take_bye(length, message if certain else None)
             return True
         if length > self._max_message_bytes:
             self._teardown(
@@ -557,7 +568,7 @@ class UcxConnection(Connection):
                 )
             )
             if certain:
-                self._discard(probe, length)
+                self._discard(message, length)
             return True
         if not certain and not self._may_take(length, wanted):
             return False
@@ -566,19 +577,20 @@ class UcxConnection(Connection):
         except DissocError as exc:
             self._teardown(exc)
             if certain:
-                self._discard(probe, length)
+                self._discard(message, length)
             return True
         try:
-            buffer, view = self._allocate(found, length)
+            buffer, view, address = self._allocate_at(found, length)
         except BaseException:
             if certain:
-                self._discard(probe, length)
+                self._discard(message, length)
             raise
         if not certain:
-            probe = worker.tag_probe(ucx_tag(found), self._mask_all, True)
-            if not probe.matched:  # cannot happen: the message matched a moment ago
+            message = self._probe_nb(self._worker_handle, found, TAG_MASK_ALL, 1, self._info_ref)
+            if not message:  # cannot happen: the message matched a moment ago
                 return False
-        request = worker.tag_recv_with_handle(ucx_array(view), probe)
+        ptr = self._msg_recv(self._worker_handle, address, length, message, _RECV_PARAM_REF)
+        request = _RECEIVED if ptr is None else RawRequest(ptr, None, self._recv_what, found)
         key = id(waiter) if waiter is not None else 0
         if key:
             self._claimed[key] = self._claimed.get(key, 0) + 1
@@ -586,29 +598,32 @@ class UcxConnection(Connection):
         self._tagged.append(_TaggedRecv(request, found, length, buffer, view, key))
         return True
 
-    def _discard(self, probe: Any, length: int) -> None:
-        """Receive a message taken from UCX (``probe``, removed) into a sink and drop it: the connection is
-        failing. A sink smaller than the message: UCX truncates (an error on this side only) and the sender's
-        request completes all the same."""
+    def _discard(self, message: int, length: int) -> None:
+        """Receive ``message`` (a probed message handle, taken from UCX) into a sink and drop it: the
+        connection is failing. A sink smaller than the message: UCX truncates (an error on this side only)
+        and the sender's request completes all the same."""
         sink = np.empty(max(1, min(length, _DISCARD_BYTES)), dtype=np.uint8)
+        self._recv_into_sink(message, sink)
+
+    def _recv_into_sink(self, message: int, sink: Any) -> None:
+        """Receive probed ``message`` into ``sink`` (a numpy array, kept until the receive completes)."""
         with contextlib.suppress(Exception):
-            request = self._worker.tag_recv_with_handle(ucx_array(sink), probe)
-            self._driver.pending.append(Pending(request, sink, None))
+            address = int(sink.ctypes.data)
+            ptr = self._msg_recv(self._worker_handle, address, sink.nbytes, message, _RECV_PARAM_REF)
+            if ptr is not None:
+                request = RawRequest(ptr, sink, self._recv_what)
+                self._driver.pending.append(Pending(request, sink, None))
 
     # ------------------------------------------------------------------------------------------------ closing
 
-    def _take_bye(self, length: int, probe: Any = None) -> None:
-        """The peer announced that it closes: consume the notice (``probe``: already taken from UCX), then
-        drain and fail like a lost peer."""
-        if probe is None:
-            probe = self._worker.tag_probe(ucx_tag(BYE_TAG), self._mask_all, True)
-        if probe.matched:
+    def _take_bye(self, length: int, message: int | None = None) -> None:
+        """The peer announced that it closes: consume the notice (``message``: its handle, already taken from
+        UCX), then drain and fail like a lost peer."""
+        if message is None:
+            message = self._probe_nb(self._worker_handle, BYE_TAG, TAG_MASK_ALL, 1, self._info_ref)
+        if message:
             self._peer_bye = True
-            sink = bytearray(max(1, min(length, MAX_HELLO)))
-            with contextlib.suppress(Exception):
-                self._driver.pending.append(
-                    Pending(self._worker.tag_recv_with_handle(ucx_array(sink), probe), sink, None)
-                )
+            self._recv_into_sink(message, np.empty(max(1, min(length, MAX_HELLO)), dtype=np.uint8))
         if not self._closed and not self._closing:
             self._loop.call_soon(self._on_peer_gone)
 
@@ -779,19 +794,14 @@ class UcxConnection(Connection):
 
     def _discard_incoming(self) -> None:
         """Take every tagged message that arrived and drop it (the connection is closed), noting the BYE."""
-        worker = self._worker
+        info = self._info
         for _ in range(MAX_ROUNDS):
-            probe = worker.tag_probe(self._tag_any, self._mask_any, True)
-            if not probe.matched:
+            message = self._probe_nb(self._worker_handle, 0, 0, 1, self._info_ref)
+            if not message:
                 return
-            if int(probe.sender_tag.value) == BYE_TAG:
+            if info.sender_tag == BYE_TAG:
                 self._peer_bye = True
-            # A sink smaller than the message: UCX truncates (an error on this side only) and the sender's
-            # request completes all the same.
-            sink = np.empty(max(1, min(int(probe.length), _DISCARD_BYTES)), dtype=np.uint8)
-            with contextlib.suppress(Exception):
-                request = worker.tag_recv_with_handle(ucx_array(sink), probe)
-                self._driver.pending.append(Pending(request, sink, None))
+            self._discard(message, info.length)
 
     async def _close_transport(self) -> None:
         if not self._closing and not self._closed:

@@ -136,6 +136,10 @@ class RawRequest:
             raise TransportError(f"{what}: {status_string(self._status)}")
 
 
+#: The request of every operation UCX completed at once (most small sends): nothing to poll or keep.
+_DONE = RawRequest(None, None, "")
+
+
 def _on_error(arg: int | None, ep: int | None, status: int) -> None:
     del ep
     try:
@@ -249,7 +253,7 @@ class RawEndpoint:
         if ep is None or self._closing or self._status != UCS_INPROGRESS:
             ep = self._usable(f"sending tagged message {tag:#018x}")
         request = lib().ucp_tag_send_nbx(ep, ptr, nbytes, tag, _PLAIN_REF)
-        return RawRequest(request, keep, self._tag_what, tag)
+        return _DONE if request is None else RawRequest(request, keep, self._tag_what, tag)
 
     def am_send(self, array: Any) -> RawRequest:
         """Send ``array`` as an active message (id 0, ucxx's header, reply endpoint asked for)."""
@@ -262,7 +266,7 @@ class RawEndpoint:
         if ep is None or self._closing or self._status != UCS_INPROGRESS:
             ep = self._usable("sending an active message")
         request = lib().ucp_am_send_nbx(ep, AM_ID, _HEADER, _HEADER_LEN, ptr, nbytes, _AM_REPLY_REF)
-        return RawRequest(request, keep, self._am_what)
+        return _DONE if request is None else RawRequest(request, keep, self._am_what)
 
     def close(self, force: bool | None = None) -> RawRequest | None:
         """Close the endpoint; None if already closed.

@@ -39,6 +39,7 @@ __all__ = [
     "UcpEpAttr",
     "UcpEpParams",
     "UcpErrHandler",
+    "UcpTagRecvInfo",
     "UcpMemMapParams",
     "UcpParams",
     "UcpRequestParam",
@@ -310,6 +311,12 @@ class UcpAmHandlerParam(ctypes.Structure):
     )
 
 
+class UcpTagRecvInfo(ctypes.Structure):
+    """``ucp_tag_recv_info_t``: a probed or received tagged message's tag and length."""
+
+    _fields_ = (("sender_tag", ctypes.c_uint64), ("length", ctypes.c_size_t))
+
+
 class UcpTransportEntry(ctypes.Structure):
     """``ucp_transport_entry_t``: one lane's transport and device names (valid until the endpoint closes)."""
 
@@ -371,6 +378,8 @@ _UCP_FUNCS: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "ucp_listener_reject": (_status_t, (_vp, _vp)),
     "ucp_conn_request_query": (_status_t, (_vp, _P(UcpConnRequestAttr))),
     "ucp_tag_send_nbx": (_vp, (_vp, _vp, ctypes.c_size_t, ctypes.c_uint64, _P(UcpRequestParam))),
+    "ucp_tag_probe_nb": (_vp, (_vp, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, _P(UcpTagRecvInfo))),
+    "ucp_tag_msg_recv_nbx": (_vp, (_vp, _vp, ctypes.c_size_t, _vp, _P(UcpRequestParam))),
     "ucp_am_send_nbx": (
         _vp,
         (_vp, ctypes.c_uint, _vp, ctypes.c_size_t, _vp, ctypes.c_size_t, _P(UcpRequestParam)),
