@@ -7,7 +7,10 @@ then per-connection workers joined by worker address: shared memory on one host)
   and with one receive buffer the caller reuses ("reused"); the server awaits each send before the next
   ("serial", as the protocol server does) or keeps up to 4 in flight ("window4");
 - 20k small untagged messages (1 KiB, active messages), messages/s;
-- the anchor: the same transfer with ucxx's raw API in a polling loop (no asyncio, no dissoc), serial.
+- 20k small tagged messages (16 KiB, a small batch's body), messages/s, taken the way the client's stream
+  session takes them: by a receiver (``Connection.set_receiver``), the server posting 64 at a time
+  (``send_many``);
+- the anchors: the same transfers with ucxx's raw API in a polling loop (no asyncio, no dissoc), serial.
 
 Each figure is the best of two runs. Prints JSON. Run: ``python benchmarks/transport_ucx.py [--quick]``.
 """
@@ -27,6 +30,7 @@ import numpy as np
 
 MiB = 1 << 20
 SMALL = 1024
+SMALL_TAGGED = 16 << 10
 REPEATS = 2
 
 
@@ -49,6 +53,11 @@ async def _serve_requests(conn: Any) -> None:
                 if len(pending) >= window:
                     _done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             await asyncio.gather(*pending)
+        elif request["kind"] == "tagged":
+            payload = payloads.setdefault(request["size"], np.ones(request["size"], dtype=np.uint8))
+            count = request["count"]
+            for first in range(0, count, 64):
+                await conn.send_many([(i, payload) for i in range(first, min(count, first + 64))])
         else:
             message = b"m" * request["size"]
             for _ in range(request["count"]):
@@ -95,6 +104,37 @@ async def _small(conn: Any, count: int) -> float:
     return count / (time.perf_counter() - start)
 
 
+class _Counter:
+    """A receiver that takes every message (as the client's session does) and counts the tagged ones."""
+
+    def __init__(self, count: int) -> None:
+        self.left = count
+        self.done = asyncio.get_running_loop().create_future()
+
+    def on_messages(self, messages: list[Any], lent: bool) -> int:
+        self.left -= len(messages)
+        if self.left <= 0 and not self.done.done():
+            self.done.set_result(None)
+        return len(messages)
+
+    def on_failure(self, exc: BaseException) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc)
+
+
+async def _small_tagged(conn: Any, count: int) -> float:
+    conn.set_allocator(None)
+    counter = _Counter(count)
+    conn.set_receiver(counter)
+    try:
+        await conn.send(json.dumps({"kind": "tagged", "size": SMALL_TAGGED, "count": count}).encode())
+        start = time.perf_counter()
+        await counter.done
+        return count / (time.perf_counter() - start)
+    finally:
+        conn.set_receiver(None)
+
+
 async def _measure(port: int, sizes: list[int], total: int, small_count: int) -> dict[str, float]:
     from dissoc.transport.ucx import connect_ucx
 
@@ -113,6 +153,9 @@ async def _measure(port: int, sizes: list[int], total: int, small_count: int) ->
         for _ in range(REPEATS):
             speed = round(await _small(conn, small_count))
             results["1KiB_msgs_per_s"] = max(results.get("1KiB_msgs_per_s", 0.0), speed)
+        for _ in range(REPEATS):
+            speed = round(await _small_tagged(conn, small_count))
+            results["16KiB_tagged_msgs_per_s"] = max(results.get("16KiB_tagged_msgs_per_s", 0.0), speed)
         await conn.send(b"")
     return results
 
@@ -198,6 +241,11 @@ def main() -> None:
                 max(_raw_anchor(size, max(2, total // size)) for _ in range(REPEATS)), 2
             )
             for size in sizes
+        },
+        "anchors_msgs_per_s": {
+            "ucxx_raw_polling_16KiB_tagged": round(
+                max(_raw_anchor(SMALL_TAGGED, small_count) for _ in range(REPEATS)) * 1e9 / SMALL_TAGGED
+            )
         },
     }
     json.dump(report, sys.stdout, indent=2)

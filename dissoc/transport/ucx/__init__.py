@@ -31,14 +31,16 @@ accepted on a worker of their own, on two paths:
 When the peer closes or dies the connection drains what already arrived, then fails with
 :class:`~dissoc.errors.TransportError`.
 
-**Receiving.** A tagged message is received by probe: for each waiting ``recv_tagged(tag, mask)`` (oldest
-first) the worker is probed with ``UCXXTag(tag)``/``UCXXTagMask(mask)``; the probe gives the message's tag and
-length before any payload is placed, so the allocator (:meth:`Connection.set_allocator`) provides the buffer,
-and ``max_message_bytes`` is checked before it is called. Messages nobody waits for are taken (in arrival
-order, probing with mask 0) while the buffering budget allows; the rest stay in UCX (large ones as a
-rendezvous announcement only, so the sender waits: UCX's own flow control). Active messages are received as
-they arrive, by :class:`~dissoc.transport.ucx.am.AmReceiver` (their size is checked before anything is
-allocated), and handed to the inbox in order while reading is admitted.
+**Receiving.** A tagged message is received by probe, through libucp itself (``ucp_tag_probe_nb``, then
+``ucp_tag_msg_recv_nbx`` into the buffer's address; no ucxx object per message): for each waiting
+``recv_tagged(tag, mask)`` (oldest first) the worker is probed with that tag and mask; the probe gives the
+message's tag and length before any payload is placed, so the allocator (:meth:`Connection.set_allocator`)
+provides the buffer (host, or device memory by its ``__cuda_array_interface__`` address), and
+``max_message_bytes`` is checked before it is called. An eager message that arrived whole is received at once.
+Messages nobody waits for are taken (in arrival order, probing with mask 0) while the buffering budget allows;
+the rest stay in UCX (large ones as a rendezvous announcement only, so the sender waits: UCX's own flow
+control). Active messages are received as they arrive, by :class:`~dissoc.transport.ucx.am.AmReceiver` (their
+size is checked before anything is allocated), and handed to the inbox in order while reading is admitted.
 
 **Closing** (:meth:`UcxConnection._release`): endpoints with peer-failure handling (the listener path) are
 closed forcefully; the same-host path's data endpoints first have an exchange: each side sends ``BYE_TAG`` as
