@@ -168,7 +168,7 @@ class BufferPool:
         self._slab_max = slab_max
         self._slab_bytes = slab_bytes
         self._slab: U8Array = _NO_SLAB
-        self._slab_address = 0
+        self._slab_address = int(_NO_SLAB.ctypes.data)
         self._slab_pos = 0
         # Raw arrays behind slabs, reused once nothing carved from them is alive (fresh pages cost a fault
         # each on first write, more than the copy into them).
@@ -254,18 +254,9 @@ class BufferPool:
 
     def allocate(self, length: int) -> U8Array:
         """An uninitialised aligned uint8 array of ``length`` bytes; reuses an idle pooled one if it can."""
-        alignment = self._alignment
         if length <= self._slab_max:
-            with self._lock:
-                pos = self._slab_pos
-                end = pos + length
-                slab = self._slab
-                if end > slab.nbytes:
-                    slab = self._slab = self._next_slab()
-                    self._slab_address = int(slab.ctypes.data)
-                    pos, end = 0, length
-                self._slab_pos = (end + alignment - 1) & -alignment
-                return slab[pos:end]
+            return self.allocate_at(length)[0]  # carved from the current slab
+        alignment = self._alignment
         if length < self._min_bytes:
             return aligned_empty(length, alignment)
         size = _size_class(length + alignment)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from typing import Any
 
 import numpy as np
@@ -259,6 +260,24 @@ async def test_buffer_pool_reuses_only_unreferenced_buffers() -> None:
     assert pool.allocate(100).nbytes == 100  # small buffers are not pooled
     pool.clear()
     assert pool.held_bytes == 0
+
+
+def test_buffer_pool_allocate_at_gives_each_array_its_own_address() -> None:
+    # UCX receives into the address given with the array: it must be the array's first byte, across slabs,
+    # and the carved arrays must not overlap
+    pool = BufferPool(max_bytes=32 << 20, slab_max=64 << 10, slab_bytes=256 << 10)
+    seen: list[tuple[int, int]] = []
+    arrays = []
+    for length in [0, 1, 100, 16 << 10, 64 << 10, 200 << 10, 3 << 20] * 6:
+        array, address = pool.allocate_at(length)
+        assert array.nbytes == length
+        if length:  # (an empty array's address is whatever numpy makes it: nothing is written there)
+            assert address == array.ctypes.data
+            assert address % ALIGNMENT == 0
+            seen.append((address, address + length))
+        arrays.append(array)
+    seen.sort()
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(seen))
 
 
 def test_buffer_pool_shares_a_size_class_and_never_hands_a_live_array_out() -> None:

@@ -37,7 +37,7 @@ from dissoc.transport.base import (
 )
 from dissoc.transport.ucx.am import AmReceiver
 from dissoc.transport.ucx.driver import MAX_ROUNDS, Driver, Pending
-from dissoc.transport.ucx.endpoint import RawEndpoint, RawRequest, flush
+from dissoc.transport.ucx.endpoint import COMPLETED, RawEndpoint, RawRequest, flush
 from dissoc.transport.ucx.handshake import (
     BYE_TAG,
     HELLO_TAG,
@@ -85,11 +85,9 @@ SEND_WINDOW = 512
 SEND_STALL_TIMEOUT: float | None = 300.0
 #: Largest buffer a message that arrives after the close is received into (larger ones are truncated).
 _DISCARD_BYTES = 1 << 20
-#: The parameters of every tagged receive (contiguous bytes, no callback: requests are polled), and the
-#: request of one UCX completed at once (an eager message that had arrived whole).
+#: The parameters of every tagged receive (contiguous bytes, no callback: requests are polled).
 _RECV_PARAM = UcpRequestParam()
 _RECV_PARAM_REF = ctypes.byref(_RECV_PARAM)
-_RECEIVED = RawRequest(None, None, "")
 
 
 class _TaggedRecv:
@@ -590,7 +588,7 @@ class UcxConnection(Connection):
             if not message:  # cannot happen: the message matched a moment ago
                 return False
         ptr = self._msg_recv(self._worker_handle, address, length, message, _RECV_PARAM_REF)
-        request = _RECEIVED if ptr is None else RawRequest(ptr, None, self._recv_what, found)
+        request = COMPLETED if ptr is None else RawRequest(ptr, None, self._recv_what, found)
         key = id(waiter) if waiter is not None else 0
         if key:
             self._claimed[key] = self._claimed.get(key, 0) + 1

@@ -46,7 +46,7 @@ from dissoc.transport.ucx.libucp import (
     status_string,
 )
 
-__all__ = ["UCXX_AM_HEADER", "RawEndpoint", "RawRequest", "flush", "stream_send"]
+__all__ = ["COMPLETED", "UCXX_AM_HEADER", "RawEndpoint", "RawRequest", "flush", "stream_send"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +136,9 @@ class RawRequest:
             raise TransportError(f"{what}: {status_string(self._status)}")
 
 
-#: The request of every operation UCX completed at once (most small sends): nothing to poll or keep.
-_DONE = RawRequest(None, None, "")
+#: The request of every operation UCX completed at once (most small sends, eager messages received whole):
+#: nothing to poll or keep.
+COMPLETED = RawRequest(None, None, "")
 
 
 def _on_error(arg: int | None, ep: int | None, status: int) -> None:
@@ -253,7 +254,7 @@ class RawEndpoint:
         if ep is None or self._closing or self._status != UCS_INPROGRESS:
             ep = self._usable(f"sending tagged message {tag:#018x}")
         request = lib().ucp_tag_send_nbx(ep, ptr, nbytes, tag, _PLAIN_REF)
-        return _DONE if request is None else RawRequest(request, keep, self._tag_what, tag)
+        return COMPLETED if request is None else RawRequest(request, keep, self._tag_what, tag)
 
     def am_send(self, array: Any) -> RawRequest:
         """Send ``array`` as an active message (id 0, ucxx's header, reply endpoint asked for)."""
@@ -266,7 +267,7 @@ class RawEndpoint:
         if ep is None or self._closing or self._status != UCS_INPROGRESS:
             ep = self._usable("sending an active message")
         request = lib().ucp_am_send_nbx(ep, AM_ID, _HEADER, _HEADER_LEN, ptr, nbytes, _AM_REPLY_REF)
-        return _DONE if request is None else RawRequest(request, keep, self._am_what)
+        return COMPLETED if request is None else RawRequest(request, keep, self._am_what)
 
     def close(self, force: bool | None = None) -> RawRequest | None:
         """Close the endpoint; None if already closed.
