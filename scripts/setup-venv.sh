@@ -45,6 +45,14 @@ for text in wanted:
     req = Requirement(text)
     if req.marker is None or req.marker.evaluate({"extra": ""}):
         assert req.specifier.contains(metadata.version(req.name), prereleases=True), text
+# The C modules are built in place by the editable install: built again when a source changed since.
+import shutil
+import sysconfig
+if shutil.which("cc") or shutil.which("gcc"):
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    for source in (root / "dissoc").rglob("*.c"):
+        built = source.with_name(source.stem + suffix)
+        assert built.exists() and built.stat().st_mtime >= source.stat().st_mtime, f"{source} changed"
 PY
 }
 if [ "${DISSOC_REINSTALL:-0}" != 1 ] && current >/dev/null 2>&1; then

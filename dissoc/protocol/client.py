@@ -234,6 +234,20 @@ class ClientStream:
         """Whether something is held: a held run, or input waiting for the window."""
         return bool(self._held or self._stalled_meta or self._stalled_bodies)
 
+    def held_metadata(self, tag: int) -> bytes | None:
+        """The metadata flatbuffer a packed body tagged ``tag`` will be released with, where that metadata is
+        in the held run (it came in order and waits for its body: the common case); None otherwise. Cheap,
+        changes nothing: a driver asks it to land a body where it will be decoded before the body arrives
+        (see ``keep``)."""
+        held = self._held
+        if not held:
+            return None
+        at = (tag - held[0][0]) & SEQ_MAX
+        if tag > _PACKED_TAG_MAX or at >= len(held):
+            return None
+        seq, metadata = held[at]
+        return metadata if seq == tag else None
+
     def accepts(self, seq: int) -> bool:
         """Whether ``seq`` is inside the window now (see ``ReorderBuffer.accepts``)."""
         return self._reorder.accepts(seq)

@@ -4,7 +4,9 @@ after room for its IPC framing, so that the codec reads it where it lies (no all
 A transport lends small payloads from its staging buffer for the length of a call only
 (``Receiver.on_messages(..., lent=True)``); :meth:`Slabs.land` copies one into the current slab as its message
 is released, and the batch decoded from it later keeps the slab alive (the pool hands the slab out again
-once no batch does).
+once no batch does). A transport that receives each payload into an address of its choosing (UCX) is given
+room in the slab instead, before the body arrives (:meth:`Slabs.reserve`, through the connection's lander),
+and the body lands there with no copy at all.
 """
 
 from __future__ import annotations
@@ -44,13 +46,47 @@ def copied(staged: memoryview) -> object:
 class Slabs:
     """Lands bodies for one decoder (see the module's text)."""
 
-    __slots__ = ("_decoder", "_pos", "_slab", "_view")
+    __slots__ = ("_address", "_decoder", "_pos", "_slab", "_view")
 
     def __init__(self, decoder: MessageDecoder) -> None:
         self._decoder = decoder
         self._pos = SLAB_BYTES
         self._view = memoryview(b"")
         self._slab = _NO_SLAB
+        self._address = 0
+
+    def reserve(self, metadata: bytes, nbytes: int) -> tuple[Landed, memoryview, int] | None:
+        """Room in the current slab for a packed body of ``nbytes`` that a transport will receive itself,
+        after room for ``metadata``'s framing (the framing is written now): the :class:`Landed` to decode it
+        from once it arrived, a writable view of where its bytes go and that view's address. None for a body
+        too large to share a slab (the transport's allocator gives it a buffer of its own)."""
+        plain = self._decoder.landing(metadata)
+        room = frame_room(len(metadata)) if plain is None else plain.room
+        need = room + nbytes
+        if need > SLAB_BYTES // 4:
+            return None
+        pos = self._next(need)
+        end = pos + need
+        view = self._view
+        self._pos = (end + ALIGNMENT - 1) & -ALIGNMENT
+        target = view[pos + room : end]
+        if plain is not None:
+            view[pos : pos + room] = plain.head
+            landed = _new_landed(Landed, (self._slab.slice(pos, need), plain))
+        else:
+            landed = _new_landed(Landed, (pa.py_buffer(view[pos:end]), None))
+        return landed, target, self._address + pos + room
+
+    def _next(self, need: int) -> int:
+        """Where the next ``need`` bytes go in the current slab (a fresh one when they do not fit)."""
+        pos = self._pos
+        if pos + need > SLAB_BYTES:
+            slab = DEFAULT_POOL.allocate(SLAB_BYTES)  # (an idle pooled one, once nothing uses it)
+            self._view = slab.data
+            self._slab = pa.py_buffer(slab)
+            self._address = self._slab.address
+            pos = 0
+        return pos
 
     def land(self, staged: memoryview, metadata: bytes | None) -> object:
         """``staged`` (a packed body lent by the transport) landed for decoding with ``metadata``; without
@@ -61,16 +97,11 @@ class Slabs:
         room = frame_room(len(metadata)) if plain is None else plain.room
         nbytes = len(staged)
         need = room + nbytes
-        pos = self._pos
-        if pos + need > SLAB_BYTES:
-            if need > SLAB_BYTES // 4:  # a large body: an allocation of its own
-                landing = DEFAULT_POOL.allocate(need)
-                landing.data[room:] = staged
-                return _new_landed(Landed, (pa.py_buffer(landing), None))
-            slab = DEFAULT_POOL.allocate(SLAB_BYTES)  # (an idle pooled one, once nothing uses it)
-            self._view = slab.data
-            self._slab = pa.py_buffer(slab)
-            pos = 0
+        if need > SLAB_BYTES // 4 and self._pos + need > SLAB_BYTES:  # a large body: an allocation of its own
+            landing = DEFAULT_POOL.allocate(need)
+            landing.data[room:] = staged
+            return _new_landed(Landed, (pa.py_buffer(landing), None))
+        pos = self._next(need)
         end = pos + need
         view = self._view
         view[pos + room : end] = staged

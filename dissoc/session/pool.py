@@ -87,6 +87,7 @@ class ConnectionPool:
         """Keep ``conn`` for the next stream to ``key`` (closed instead when it cannot be reused)."""
         conn.set_receiver(None)
         conn.set_allocator(None)
+        conn.set_lander(None)
         if conn.closed or conn.buffered_bytes:
             self._close_later(conn)
             return

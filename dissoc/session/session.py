@@ -103,6 +103,7 @@ class Session:
         )
         decoder = self.decoding.decoder
         ordered = options.ordered_metadata
+        self._slabs = Slabs(decoder) if self.decoding.lands_on_host else None
         self.stream = ClientStream(
             decoder.has_body,
             window=options.window,
@@ -111,7 +112,7 @@ class Session:
             max_ahead=4 * options.window,
             max_in_flight_bytes=options.max_in_flight_bytes,
             shared_link=not self.split,
-            keep=Slabs(decoder).land if self.decoding.lands_on_host else _copy_kept,
+            keep=self._slabs.land if self._slabs is not None else _copy_kept,
         )
         #: Released events for the consumer, oldest first (the stream's own queue).
         self.ready = self.stream.events
@@ -154,6 +155,9 @@ class Session:
                 return default_allocator(tag, length)
 
             data.set_allocator(allocate)
+        if self._slabs is not None:
+            # A transport that receives bodies into addresses (UCX) lands them after room for their metadata.
+            data.set_lander(self._land)
         if self.split:
             meta.set_receiver(_Door(self, tagged=False))
             data.set_receiver(_Door(self, tagged=True))
@@ -170,6 +174,15 @@ class Session:
         return conn
 
     # -- the pump (inside the transports' reading callbacks; never raises) -----------------------------------
+
+    def _land(self, tag: int, length: int) -> tuple[object, memoryview, int] | None:
+        """Where a packed body goes whose metadata is held for it (the data connection's lander): in a slab,
+        after room for its framing, to be decoded with one read; None for the allocator."""
+        slabs = self._slabs
+        if slabs is None or self.done:
+            return None
+        metadata = self.stream.held_metadata(tag)
+        return None if metadata is None else slabs.reserve(metadata, length)
 
     def take(self, messages: list[Received], lent: bool) -> int:
         """Messages from a connection into the stream; the consumer is woken for what they released."""
@@ -321,6 +334,7 @@ class Session:
                 pool_of(asyncio.get_running_loop()).give(pool_key(uri, self.options), c)
                 continue
             c.set_receiver(None)
+            c.set_lander(None)
             with contextlib.suppress(DissocError):
                 await c.close()
         if self.decoding.pairs is not None:

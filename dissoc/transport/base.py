@@ -8,7 +8,9 @@ messages carrying a little-endian u64 tag. :class:`Connection` offers exactly th
   matches under a mask, so bodies can be claimed by sequence number whatever their body-type byte;
 - a placement hook (:meth:`Connection.set_allocator`) lets the receiver choose the final buffer of each tagged
   payload before it is read, so payloads land where they will live (aligned numpy memory, shared memory, ...)
-  and are never copied afterwards;
+  and are never copied afterwards; on transports that receive into an address of their choosing (UCX), a
+  *lander* (:meth:`Connection.set_lander`) may place a payload first, where it knows more than the allocator
+  (the client's stream session puts a body right after room for the metadata it arrived with);
 - two limits protect the receiver: ``max_message_bytes`` (largest message it accepts; checked before anything
   is allocated) and ``max_buffered_bytes`` (received messages nobody has claimed yet; past it the reader stops
   reading, so the sender is throttled by the transport's own flow control).
@@ -67,6 +69,7 @@ __all__ = [
     "Connection",
     "FrameError",
     "Handler",
+    "Lander",
     "Listener",
     "MessageTooLargeError",
     "ReceiveBudget",
@@ -94,6 +97,9 @@ DEFAULT_MAX_BUFFERED_BYTES = 256 << 20
 SendData: TypeAlias = "BytesLike | Sequence[BytesLike]"
 #: Placement hook: ``(tag, length) -> writable buffer of exactly length bytes``.
 Allocator: TypeAlias = "Callable[[int, int], BytesLike]"
+#: ``lander(tag, length)`` (see :meth:`Connection.set_lander`): ``(payload, a writable view of where its bytes
+#: go, that view's address)``, or None to leave the message to the allocator.
+Lander: TypeAlias = "Callable[[int, int], tuple[Any, memoryview, int] | None]"
 #: A server's per-connection coroutine.
 Handler: TypeAlias = "Callable[[Connection], Awaitable[None]]"
 
@@ -248,6 +254,7 @@ class Connection(abc.ABC):
         self._max_message_bytes = max_message_bytes
         self._max_buffered_bytes = max_buffered_bytes
         self._allocator: Allocator = allocator if allocator is not None else default_allocator
+        self._lander: Lander | None = None
         self._description = description or type(self).__name__
         self._untagged: deque[bytes | memoryview] = deque()
         self._untagged_waiters: deque[asyncio.Future[bytes | memoryview]] = deque()
@@ -315,6 +322,20 @@ class Connection(abc.ABC):
         as is, as :attr:`TaggedMessage.payload`. If the hook raises, the connection fails with that error.
         """
         self._allocator = allocator if allocator is not None else default_allocator
+
+    def set_lander(self, lander: Lander | None) -> None:
+        """On a transport that receives each tagged payload into an address it picks once the message's tag
+        and length are known (UCX), offer every tagged message to ``lander`` before the allocator (None: the
+        allocator alone).
+
+        ``lander(tag, length)`` returns ``(payload, view, address)``: the message's ``length`` bytes are
+        received into ``view`` (writable, ``length`` bytes, at ``address``) and ``payload``, which must keep
+        that memory alive, is what is handed out for it (delivered as is, held for ``recv_tagged`` as is); or
+        None, and the allocator places it. It runs inside the transport's reading callback, must be quick, and
+        if it raises the connection fails with that error. Transports that read payloads off a byte stream
+        lend small ones to the receiver instead (``Receiver.on_messages(..., lent=True)``) and never call it.
+        """
+        self._lander = lander
 
     def set_receiver(self, receiver: Receiver | None) -> None:
         """Hand messages to ``receiver`` the moment they arrive, instead of holding them for :meth:`recv` and
@@ -651,6 +672,19 @@ class Connection(abc.ABC):
     def _allocate_at(self, tag: int, length: int) -> tuple[BytesLike, memoryview, int]:
         """:meth:`_allocate`, and the address of the buffer's first byte (a device buffer's device address),
         for a transport that hands its library addresses."""
+        lander = self._lander
+        if lander is not None:
+            try:
+                landed = lander(tag, length)
+            except DissocError:
+                raise
+            except Exception as exc:
+                raise TransportError(
+                    f"{self._description}: the lander failed for tagged message {tag:#018x} of {length} "
+                    f"bytes: {exc!r}"
+                ) from exc
+            if landed is not None:
+                return landed
         if self._allocator is default_allocator:
             pooled, address = DEFAULT_POOL.allocate_at(length)
             return pooled, pooled.data, address

@@ -128,6 +128,21 @@ def test_lent_bodies_are_kept_with_their_metadata_when_known() -> None:
     ]
 
 
+def test_held_metadata_names_what_a_body_will_be_released_with() -> None:
+    c = started()
+    assert c.held_metadata(1) is None  # nothing held yet
+    c.receive([md(1), md(2), md(3)])
+    assert [c.held_metadata(seq) for seq in (1, 2, 3)] == [b"B1", b"B2", b"B3"]
+    assert c.held_metadata(4) is None and c.held_metadata(0) is None
+    assert c.held_metadata((1 << 56) | 2) is None  # a pair list's tag: not a packed body
+    c.receive([body(1)])
+    assert c.held_metadata(1) is None and c.held_metadata(2) == b"B2"
+    c.receive([md(5)])  # out of order: the held run goes to the reorder buffer
+    assert c.held_metadata(2) is None
+    c.receive([md(4), body(2), body(3), body(4), body(5)])
+    assert ready_seqs(drain(c)) == [1, 2, 3, 4, 5]
+
+
 # -- an in-order transport -----------------------------------------------------------------------------------
 
 

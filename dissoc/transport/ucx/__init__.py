@@ -34,9 +34,11 @@ When the peer closes or dies the connection drains what already arrived, then fa
 **Receiving.** A tagged message is received by probe, through libucp itself (``ucp_tag_probe_nb``, then
 ``ucp_tag_msg_recv_nbx`` into the buffer's address; no ucxx object per message): for each waiting
 ``recv_tagged(tag, mask)`` (oldest first) the worker is probed with that tag and mask; the probe gives the
-message's tag and length before any payload is placed, so the allocator (:meth:`Connection.set_allocator`)
-provides the buffer (host, or device memory by its ``__cuda_array_interface__`` address), and
-``max_message_bytes`` is checked before it is called. An eager message that arrived whole is received at once.
+message's tag and length before any payload is placed, so the lander (:meth:`Connection.set_lander`: the
+client's session puts a packed body after room for its framing, in a slab) or else the allocator
+(:meth:`Connection.set_allocator`) provides the buffer (host, or device memory by its
+``__cuda_array_interface__`` address), and ``max_message_bytes`` is checked before either is called. An eager
+message that arrived whole is received at once.
 Messages nobody waits for are taken (in arrival order, probing with mask 0) while the buffering budget allows;
 the rest stay in UCX (large ones as a rendezvous announcement only, so the sender waits: UCX's own flow
 control). Active messages are received as they arrive, by :class:`~dissoc.transport.ucx.am.AmReceiver` (their
@@ -71,8 +73,14 @@ this package, and the environment is left as it was: importing ucxx sets, when u
 they are taken back out of ``os.environ`` at once and passed to dissoc's UCX context as its configuration
 instead (``UCX_*`` variables the user set still win).
 
+**Per-message calls.** Probes, receives, sends, request tests and the active-message handler go through
+:mod:`~dissoc.transport.ucx.calls`: the package's small C module where it was built with dissoc (arguments
+straight from Python ints, eager active messages queued as bytes by a C handler), ctypes otherwise
+(``DISSOC_UCX_NATIVE=0`` forces it); the same calls either way.
+
 **Modules.** :mod:`~dissoc.transport.ucx.library` (ucxx, loaded lazily, and the UCX context),
 :mod:`~dissoc.transport.ucx.libucp` (libucp's C API through ctypes),
+:mod:`~dissoc.transport.ucx.calls` (the per-message calls, through ``_fast.c`` or ctypes),
 :mod:`~dissoc.transport.ucx.am` (receiving active messages),
 :mod:`~dissoc.transport.ucx.endpoint` (endpoints of accepted connections),
 :mod:`~dissoc.transport.ucx.peer_info` (ucxx's peer-information exchange),

@@ -13,7 +13,10 @@ every message is kept in arrival order until the connection takes it. Nothing re
 it goes when its connection lets go of it.
 
 The handler runs inside the worker's progress call (the event loop's thread) and only queues; the size
-limit is checked before anything is allocated.
+limit is checked before anything is allocated. Where the C module is built
+(:mod:`~dissoc.transport.ucx.calls`) the handler is its own: an eager message within the limit is queued as
+bytes with no Python call; everything else (rendezvous messages, oversized ones, a receiver gone) comes to
+:func:`_fallback`, as every message does through the ctypes handler.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from dissoc.errors import DissocError, TransportError
 from dissoc.transport.base import MessageTooLargeError
+from dissoc.transport.ucx.calls import calls
 from dissoc.transport.ucx.libucp import (
     AM_RECV_CALLBACK,
     UCP_AM_FLAG_WHOLE_MSG,
@@ -76,23 +81,34 @@ class _Message:
         self.request = request
 
 
-def _handle_message(
-    arg: int | None, header: int | None, header_length: int, data: int | None, length: int, param: Any
-) -> int:
-    del header, header_length
-    worker = arg or 0
+def _fallback(worker: int, data: int | None, length: int, attr: int) -> None:
+    """What the handler does not queue itself (a rendezvous message, one too large, one for a receiver that
+    closed): the receiver's :meth:`AmReceiver.arrived`, or dropped (a rendezvous one released)."""
     try:
-        attr = int(param[0].recv_attr)
         receiver = _RECEIVERS.get(worker)
         if receiver is None:
             if attr & UCP_AM_RECV_ATTR_FLAG_RNDV:
                 lib().ucp_am_data_release(worker, data)
-            return UCS_OK
-        return receiver.arrived(data, length, attr)
+            return
+        receiver.arrived(data, length, attr)
     except BaseException:  # never let an exception unwind through UCX
         logger.exception("receiving an active message failed")
-        return UCS_OK
 
+
+def _handle_message(
+    arg: int | None, header: int | None, header_length: int, data: int | None, length: int, param: Any
+) -> int:
+    """The handler through ctypes (without the C module): everything goes to the receiver."""
+    del header, header_length
+    try:
+        _fallback(arg or 0, data, length, int(param[0].recv_attr))
+    except BaseException:  # never let an exception unwind through UCX
+        logger.exception("receiving an active message failed")
+    return UCS_OK
+
+
+#: Eager messages the C handler queues itself (dissoc.transport.ucx.calls): worker -> (append, max bytes).
+_QUEUES: dict[int, tuple[Callable[[bytes], None], int]] = {}
 
 # One C callback for the process, never freed: a worker may call it until the worker itself is destroyed.
 _CALLBACK = AM_RECV_CALLBACK(_handle_message)
@@ -100,6 +116,12 @@ _CALLBACK = AM_RECV_CALLBACK(_handle_message)
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_CALLBACK))
 # Reference the parameter struct's type so that ctypes has resolved it before the first call.
 _ = UcpAmRecvParam
+
+
+def _handler() -> Any:
+    """The handler to register: the C module's (eager messages queued without Python), else the ctypes one."""
+    address = calls().am_handler(_QUEUES, _fallback)
+    return AM_RECV_CALLBACK(address) if address else _CALLBACK
 
 
 class AmReceiver:
@@ -115,7 +137,9 @@ class AmReceiver:
         self._worker = worker
         self._max = max_message_bytes
         self._description = description
-        self._queue: deque[_Message] = deque()
+        #: Arrival order: eager messages as bytes (queued by the C handler, or by arrived()), rendezvous ones
+        #: as a _Message until they have arrived.
+        self._queue: deque[bytes | _Message] = deque()
         self._cancelled: list[_Message] = []
         #: The first failure (an oversized message, a receive UCX failed); the owner tears down on it.
         self.error: DissocError | None = None
@@ -129,19 +153,22 @@ class AmReceiver:
         )
         params.id = AM_ID
         params.flags = UCP_AM_FLAG_WHOLE_MSG
-        params.cb = _CALLBACK
+        params.cb = _handler()
         params.arg = worker
         _RECEIVERS[worker] = self
+        _QUEUES[worker] = (self._queue.append, max_message_bytes)
         try:
             check(
                 lib().ucp_worker_set_am_recv_handler(worker, ctypes.byref(params)), "setting the AM handler"
             )
         except TransportError:
             _RECEIVERS.pop(worker, None)
+            _QUEUES.pop(worker, None)
             raise
 
     def arrived(self, data: int | None, length: int, attr: int) -> int:
-        """The handler's work for this worker (inside its progress call): queue one message."""
+        """The handler's work for this worker (inside its progress call) where the C handler does not do it:
+        queue one message."""
         rendezvous = bool(attr & UCP_AM_RECV_ATTR_FLAG_RNDV)
         if self.closed or self.error is not None or length > self._max:
             if length > self._max and self.error is None and not self.closed:
@@ -149,11 +176,12 @@ class AmReceiver:
                     f"{self._description}: the peer sent an untagged message of {length} bytes; the limit "
                     f"(max_message_bytes) is {self._max}"
                 )
+                _QUEUES.pop(self._worker, None)  # (nothing more is queued)
             if rendezvous:
                 lib().ucp_am_data_release(self._worker, data)
             return UCS_OK
         if not rendezvous:
-            self._queue.append(_Message(ctypes.string_at(data or 0, length) if length else b"", length, None))
+            self._queue.append(ctypes.string_at(data or 0, length) if length else b"")
             return UCS_OK
         buffer = np.empty(max(1, length), dtype=np.uint8)
         param = UcpRequestParam()
@@ -191,14 +219,18 @@ class AmReceiver:
         if not self._queue:
             return None
         head = self._queue[0]
+        if type(head) is bytes:  # (an eager message, copied out as it arrived)
+            return len(head)
+        assert isinstance(head, _Message)
         return head.length if self._finished(head) else None
 
     def pop(self) -> bytes | memoryview:
         """Take the oldest message (after :meth:`ready` said it has arrived)."""
         message = self._queue.popleft()
+        if type(message) is bytes:
+            return message
+        assert isinstance(message, _Message)
         buffer = message.buffer
-        if isinstance(buffer, bytes):
-            return buffer
         view = memoryview(buffer)[: message.length]
         return bytes(view) if message.length <= SMALL_MESSAGE else view
 
@@ -214,8 +246,9 @@ class AmReceiver:
         self.closed = True
         if _RECEIVERS.get(self._worker) is self:
             del _RECEIVERS[self._worker]
+            _QUEUES.pop(self._worker, None)
         for message in self._queue:
-            if message.request is not None:
+            if type(message) is _Message and message.request is not None:
                 lib().ucp_request_cancel(self._worker, message.request)
                 self._cancelled.append(message)
         self._queue.clear()

@@ -36,6 +36,7 @@ from dissoc.transport.base import (
     fresh_error,
 )
 from dissoc.transport.ucx.am import AmReceiver
+from dissoc.transport.ucx.calls import calls
 from dissoc.transport.ucx.driver import MAX_ROUNDS, Driver, Pending
 from dissoc.transport.ucx.endpoint import COMPLETED, RawEndpoint, RawRequest, flush
 from dissoc.transport.ucx.handshake import (
@@ -57,8 +58,7 @@ from dissoc.transport.ucx.library import (
     ucx_tag,
     ucxx_lib,
 )
-from dissoc.transport.ucx.libucp import UcpRequestParam, UcpTagRecvInfo, ep_transports
-from dissoc.transport.ucx.libucp import lib as libucp
+from dissoc.transport.ucx.libucp import UcpRequestParam, ep_transports
 from dissoc.transport.ucx.peer_info import PeerInfoExchange
 
 __all__ = ["PATHS", "UcxConnection", "connect_ucx"]
@@ -87,7 +87,7 @@ SEND_STALL_TIMEOUT: float | None = 300.0
 _DISCARD_BYTES = 1 << 20
 #: The parameters of every tagged receive (contiguous bytes, no callback: requests are polled).
 _RECV_PARAM = UcpRequestParam()
-_RECV_PARAM_REF = ctypes.byref(_RECV_PARAM)
+_RECV_PARAM_ADDRESS = ctypes.addressof(_RECV_PARAM)
 
 
 class _TaggedRecv:
@@ -166,11 +166,9 @@ class UcxConnection(Connection):
         self._tagged: collections.deque[_TaggedRecv] = collections.deque()
         # Tagged messages are probed and received through libucp (see _probe).
         self._worker_handle = int(self._worker.handle)
-        ucp = libucp()
-        self._probe_nb = ucp.ucp_tag_probe_nb
-        self._msg_recv = ucp.ucp_tag_msg_recv_nbx
-        self._info = UcpTagRecvInfo()
-        self._info_ref = ctypes.byref(self._info)
+        ucp = calls()
+        self._tag_probe = ucp.tag_probe
+        self._msg_recv = ucp.tag_msg_recv
         self._recv_what = f"{description}: receiving tagged message"
         self._inflight = 0
         #: Sends posted and not known to be completed, oldest first (see send_many).
@@ -548,13 +546,11 @@ class UcxConnection(Connection):
         else:
             used = self._buffered + self._inflight
             certain = wanted or used == 0 or used + self._max_message_bytes <= self._max_buffered_bytes
-        info = self._info
-        message = self._probe_nb(self._worker_handle, tag, mask, certain, self._info_ref)
-        if not message:
+        probed = self._tag_probe(self._worker_handle, tag, mask, certain)
+        if probed is None:
             return False
         self._heard = True
-        found = info.sender_tag
-        length = info.length
+        message, found, length = probed
         if found == BYE_TAG:
             self._take_bye(length, message if certain else None)
             return True
@@ -584,11 +580,12 @@ class UcxConnection(Connection):
                 self._discard(message, length)
             raise
         if not certain:
-            message = self._probe_nb(self._worker_handle, found, TAG_MASK_ALL, 1, self._info_ref)
-            if not message:  # cannot happen: the message matched a moment ago
+            probed = self._tag_probe(self._worker_handle, found, TAG_MASK_ALL, True)
+            if probed is None:  # cannot happen: the message matched a moment ago
                 return False
-        ptr = self._msg_recv(self._worker_handle, address, length, message, _RECV_PARAM_REF)
-        request = COMPLETED if ptr is None else RawRequest(ptr, None, self._recv_what, found)
+            message = probed[0]
+        ptr = self._msg_recv(self._worker_handle, address, length, message, _RECV_PARAM_ADDRESS)
+        request = RawRequest(ptr, None, self._recv_what, found) if ptr else COMPLETED
         key = id(waiter) if waiter is not None else 0
         if key:
             self._claimed[key] = self._claimed.get(key, 0) + 1
@@ -607,8 +604,8 @@ class UcxConnection(Connection):
         """Receive probed ``message`` into ``sink`` (a numpy array, kept until the receive completes)."""
         with contextlib.suppress(Exception):
             address = int(sink.ctypes.data)
-            ptr = self._msg_recv(self._worker_handle, address, sink.nbytes, message, _RECV_PARAM_REF)
-            if ptr is not None:
+            ptr = self._msg_recv(self._worker_handle, address, sink.nbytes, message, _RECV_PARAM_ADDRESS)
+            if ptr:
                 request = RawRequest(ptr, sink, self._recv_what)
                 self._driver.pending.append(Pending(request, sink, None))
 
@@ -618,7 +615,8 @@ class UcxConnection(Connection):
         """The peer announced that it closes: consume the notice (``message``: its handle, already taken from
         UCX), then drain and fail like a lost peer."""
         if message is None:
-            message = self._probe_nb(self._worker_handle, BYE_TAG, TAG_MASK_ALL, 1, self._info_ref)
+            probed = self._tag_probe(self._worker_handle, BYE_TAG, TAG_MASK_ALL, True)
+            message = probed[0] if probed is not None else None
         if message:
             self._peer_bye = True
             self._recv_into_sink(message, np.empty(max(1, min(length, MAX_HELLO)), dtype=np.uint8))
@@ -792,14 +790,14 @@ class UcxConnection(Connection):
 
     def _discard_incoming(self) -> None:
         """Take every tagged message that arrived and drop it (the connection is closed), noting the BYE."""
-        info = self._info
         for _ in range(MAX_ROUNDS):
-            message = self._probe_nb(self._worker_handle, 0, 0, 1, self._info_ref)
-            if not message:
+            probed = self._tag_probe(self._worker_handle, 0, 0, True)
+            if probed is None:
                 return
-            if info.sender_tag == BYE_TAG:
+            message, found, length = probed
+            if found == BYE_TAG:
                 self._peer_bye = True
-            self._discard(message, info.length)
+            self._discard(message, length)
 
     async def _close_transport(self) -> None:
         if not self._closing and not self._closed:

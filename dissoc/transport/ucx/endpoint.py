@@ -23,6 +23,7 @@ from typing import Any
 
 from dissoc.errors import TransportError
 from dissoc.transport.ucx.am import AM_ID
+from dissoc.transport.ucx.calls import calls
 from dissoc.transport.ucx.libucp import (
     ERR_CALLBACK,
     UCP_AM_SEND_FLAG_REPLY,
@@ -53,7 +54,6 @@ logger = logging.getLogger(__name__)
 #: ucxx's active-message header for host memory: memory type (i32, UCS_MEMORY_TYPE_HOST = 0), no receiver
 #: callback (bool), memory-type policy (u8, fall back to host), user header size (u64, 0).
 UCXX_AM_HEADER = struct.pack("<i?BQ", 0, False, 0, 0)
-_HEADER = ctypes.create_string_buffer(UCXX_AM_HEADER, len(UCXX_AM_HEADER))
 _HEADER_LEN = len(UCXX_AM_HEADER)
 
 
@@ -70,8 +70,8 @@ def _request_param(flags: int = 0) -> UcpRequestParam:
 _PLAIN = _request_param()
 _AM_REPLY = _request_param(UCP_AM_SEND_FLAG_REPLY)
 _FORCE = _request_param(UCP_EP_CLOSE_FLAG_FORCE)
-_PLAIN_REF = ctypes.byref(_PLAIN)
-_AM_REPLY_REF = ctypes.byref(_AM_REPLY)
+_PLAIN_ADDRESS = ctypes.addressof(_PLAIN)
+_AM_REPLY_ADDRESS = ctypes.addressof(_AM_REPLY)
 
 #: Live endpoints by the id their error handler is given.
 _ENDPOINTS: dict[int, RawEndpoint] = {}
@@ -90,7 +90,7 @@ class RawRequest:
     def __init__(self, ptr: int | None, keep: object, what: str, tag: int | None = None) -> None:
         self._what = what
         self._tag = tag
-        if ptr is None:  # completed at once (most small sends)
+        if not ptr:  # completed at once (most small sends)
             self._ptr: int | None = None
             self._status = UCS_OK
             self._keep: object = None
@@ -107,10 +107,8 @@ class RawRequest:
     def completed(self) -> bool:
         """Whether UCX has completed the request (it is then freed)."""
         if self._status == UCS_INPROGRESS and self._ptr is not None:
-            ucp = lib()
-            status = int(ucp.ucp_request_check_status(self._ptr))
+            status = calls().request_test(self._ptr)  # (frees it once it is no longer in progress)
             if status != UCS_INPROGRESS:
-                ucp.ucp_request_free(self._ptr)
                 self._ptr = None
                 self._status = status
                 self._keep = None
@@ -253,8 +251,8 @@ class RawEndpoint:
         ep = self._ep
         if ep is None or self._closing or self._status != UCS_INPROGRESS:
             ep = self._usable(f"sending tagged message {tag:#018x}")
-        request = lib().ucp_tag_send_nbx(ep, ptr, nbytes, tag, _PLAIN_REF)
-        return COMPLETED if request is None else RawRequest(request, keep, self._tag_what, tag)
+        request = calls().tag_send(ep, ptr, nbytes, tag, _PLAIN_ADDRESS)
+        return RawRequest(request, keep, self._tag_what, tag) if request else COMPLETED
 
     def am_send(self, array: Any) -> RawRequest:
         """Send ``array`` as an active message (id 0, ucxx's header, reply endpoint asked for)."""
@@ -266,8 +264,8 @@ class RawEndpoint:
         ep = self._ep
         if ep is None or self._closing or self._status != UCS_INPROGRESS:
             ep = self._usable("sending an active message")
-        request = lib().ucp_am_send_nbx(ep, AM_ID, _HEADER, _HEADER_LEN, ptr, nbytes, _AM_REPLY_REF)
-        return COMPLETED if request is None else RawRequest(request, keep, self._am_what)
+        request = calls().am_send(ep, AM_ID, UCXX_AM_HEADER, _HEADER_LEN, ptr, nbytes, _AM_REPLY_ADDRESS)
+        return RawRequest(request, keep, self._am_what) if request else COMPLETED
 
     def close(self, force: bool | None = None) -> RawRequest | None:
         """Close the endpoint; None if already closed.

@@ -1,0 +1,205 @@
+"""libucp's per-message calls (:mod:`dissoc.transport.ucx.calls`): the C module and the ctypes fallback
+make the same calls with the same results, each on its own and under the UCX transport and the client.
+
+``kind`` runs a test with the C module's calls (``native``; skipped where it is not built) and with ctypes'
+(``ctypes``): the process's calls are swapped for the test, so connections made in it use those.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import sysconfig
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from helpers.e2e import within
+from helpers.transport import connected_pair
+
+from dissoc.client import ClientOptions, fetch_async
+from dissoc.server import Server
+from dissoc.session.landing import Slabs
+
+pytestmark = [pytest.mark.ucx, pytest.mark.timeout(60)]
+
+ucxx = pytest.importorskip("ucxx", reason="needs ucxx (the 'ucx' extra)")
+
+from dissoc.transport.ucx import calls as calls_module  # noqa: E402 (after the importorskip)
+from dissoc.transport.ucx.calls import Calls, native_module  # noqa: E402
+from dissoc.transport.ucx.library import ucx_context, ucxx_lib  # noqa: E402
+from dissoc.transport.ucx.libucp import UCS_INPROGRESS, UCS_OK, UcpRequestParam, ptr_is_err  # noqa: E402
+
+MiB = 1 << 20
+SOURCE = Path(calls_module.__file__).with_name("_fast.c")
+
+
+@pytest.fixture(params=["native", "ctypes"])
+def kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Calls]:
+    """The process's per-message calls for this test: the C module's or ctypes'."""
+    native = native_module() if request.param == "native" else None
+    if request.param == "native" and native is None:
+        pytest.skip("the C module dissoc.transport.ucx._fast is not built (no C compiler at install)")
+    made = Calls(native)
+    monkeypatch.setattr(calls_module, "_calls", made)
+    yield made
+
+
+def test_the_c_module_is_built_where_a_compiler_is() -> None:
+    compiler = shutil.which(str(sysconfig.get_config_var("CC") or "cc").split()[0]) or shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler: the install could not build dissoc.transport.ucx._fast")
+    module = native_module()
+    assert module is not None, "dissoc.transport.ucx._fast is missing: reinstall dissoc (pip install -e .)"
+    built = Path(module.__file__)
+    assert built.stat().st_mtime >= SOURCE.stat().st_mtime, (
+        f"{built.name} is older than {SOURCE.name}: reinstall"
+    )
+    assert calls_module.calls().native
+
+
+def test_native_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DISSOC_UCX_NATIVE", "0")
+    assert native_module() is None
+    assert not Calls(None).native
+
+
+class _Pair:
+    """Two workers of this process joined by address, each progressed by :meth:`progress`."""
+
+    def __init__(self) -> None:
+        lib = ucxx_lib()
+        self.a = lib.UCXWorker(ucx_context("default"))
+        self.b = lib.UCXWorker(ucx_context("default"))
+        address = lib.UCXAddress.create_from_buffer(bytes(self.b.address.tobytes()))
+        self.ep = self.a.create_endpoint_from_worker_address(address, False)
+        self.ep_handle = int(self.ep.handle)
+        self.b_handle = int(self.b.handle)
+
+    def progress(self) -> None:
+        self.a.progress()
+        self.b.progress()
+
+    def until(self, done: Callable[[], Any], what: str) -> Any:
+        deadline = time.monotonic() + 10
+        while True:
+            self.progress()
+            got = done()
+            if got:
+                return got
+            assert time.monotonic() < deadline, f"{what}: not within 10 s"
+
+
+@pytest.fixture
+def pair() -> Iterator[_Pair]:
+    made = _Pair()
+    yield made
+    made.ep.close()
+    for _ in range(100):
+        made.progress()
+
+
+def _param() -> tuple[UcpRequestParam, int]:
+    param = UcpRequestParam()
+    return param, ctypes.addressof(param)
+
+
+def test_tagged_message_probed_and_received(kind: Calls, pair: _Pair) -> None:
+    _, param = _param()
+    payload = bytes(range(256)) * 64  # 16 KiB
+    sent = kind.tag_send(pair.ep_handle, payload, len(payload), 0x0100_0000_0000_002A, param)
+    assert not ptr_is_err(sent)
+    assert kind.tag_probe(pair.b_handle, 7, 0xFFFF_FFFF_FFFF_FFFF, False) is None  # no such tag
+    probed = pair.until(lambda: kind.tag_probe(pair.b_handle, 0x2A, 0xFFFF_FFFF, False), "the probe")
+    _message, tag, length = probed
+    assert (tag, length) == (0x0100_0000_0000_002A, len(payload))
+    # looked at, not taken: a second probe finds it again, then takes it
+    taken = kind.tag_probe(pair.b_handle, 0x2A, 0xFFFF_FFFF, True)
+    assert taken is not None and taken[1:] == (tag, length)
+    into = np.zeros(length, dtype=np.uint8)
+    request = kind.tag_msg_recv(pair.b_handle, int(into.ctypes.data), length, taken[0], param)
+    assert not ptr_is_err(request)
+    if request:
+        assert pair.until(lambda: kind.request_test(request) != UCS_INPROGRESS, "the receive")
+    if sent:
+        pair.until(lambda: kind.request_test(sent) == UCS_OK, "the send")
+    assert into.tobytes() == payload
+    assert kind.tag_probe(pair.b_handle, 0, 0, True) is None
+
+
+def test_send_from_an_address_and_a_pending_request(kind: Calls, pair: _Pair) -> None:
+    _, param = _param()
+    source = np.arange(4 * MiB, dtype=np.uint8)  # large enough for rendezvous: the send stays under way
+    sent = kind.tag_send(pair.ep_handle, int(source.ctypes.data), source.nbytes, 5, param)
+    assert not ptr_is_err(sent)
+    probed = pair.until(lambda: kind.tag_probe(pair.b_handle, 5, 0xFFFF_FFFF_FFFF_FFFF, True), "the probe")
+    into = np.empty(source.nbytes, dtype=np.uint8)
+    request = kind.tag_msg_recv(pair.b_handle, int(into.ctypes.data), into.nbytes, probed[0], param)
+    assert request and not ptr_is_err(request), "a rendezvous receive completes later"
+    assert kind.request_test(request) == UCS_INPROGRESS
+    pair.until(lambda: kind.request_test(request) == UCS_OK, "the receive")
+    if sent:
+        pair.until(lambda: kind.request_test(sent) == UCS_OK, "the send")
+    assert np.array_equal(into, source)
+
+
+def test_errors_are_pointers_not_crashes(kind: Calls) -> None:
+    with pytest.raises(ValueError, match="NULL"):
+        kind.tag_send(0, b"x", 1, 1, 0)
+    with pytest.raises(ValueError, match="NULL"):
+        kind.am_send(0, 0, b"", 0, b"x", 1, 0)
+    with pytest.raises(ValueError, match="NULL"):
+        kind.request_test(0)
+
+
+async def test_transport_round_trips(kind: Calls) -> None:
+    """Small and rendezvous-sized messages both ways (active messages and tagged ones, eager and not)."""
+    import dissoc.transport.ucx  # noqa: F401 - registers the "ucx" scheme
+
+    async with connected_pair("ucx", timeout=10) as (client, server):
+        untagged = [b"", b"m" * 100, bytes(range(256)) * 4096]  # up to 1 MiB: a rendezvous active message
+        for message in untagged:
+            await client.send(message)
+            await server.send(message)
+        for message in untagged:
+            assert bytes(await server.recv()) == message
+            assert bytes(await client.recv()) == message
+        bodies = [np.full(n, i, dtype=np.uint8).tobytes() for i, n in enumerate([16, 16 << 10, 4 * MiB])]
+        for i, body in enumerate(bodies):
+            await server.send_tagged(i, body)
+        for i, body in enumerate(bodies):
+            got = await client.recv_tagged(i)
+            assert bytes(got.payload) == body
+
+
+@pytest.mark.parametrize("path", ["address", "listener"])
+async def test_client_streams_land_their_bodies(
+    kind: Calls, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream of small batches over UCX: every body is received straight into a slab after room for its
+    framing (the session's lander), and the table comes back whole."""
+    landed: list[int] = []
+    reserve = Slabs.reserve
+
+    def counted(self: Slabs, metadata: bytes, nbytes: int) -> Any:
+        got = reserve(self, metadata, nbytes)
+        if got is not None:
+            landed.append(nbytes)
+        return got
+
+    monkeypatch.setattr(Slabs, "reserve", counted)
+    batches = [
+        pa.record_batch({"a": np.arange(i, i + 1000, dtype=np.int64), "b": np.full(1000, i / 7)})
+        for i in range(0, 20_000, 1000)
+    ]
+    table = pa.Table.from_batches(batches)
+    async with Server({"t": table}, transport="ucx") as server:
+        options = ClientOptions(timeout=30, ucx_path=path, reuse_connections=False)
+        got = await within(30, fetch_async(server.uri, "t", options=options), "fetch")
+    assert got.equals(table)
+    assert len(landed) == len(batches), "every body should have landed in a slab"
+    assert set(landed) == {16_000}
