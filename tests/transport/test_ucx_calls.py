@@ -8,7 +8,10 @@ make the same calls with the same results, each on its own and under the UCX tra
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
+import subprocess
+import sys
 import sysconfig
 import time
 from collections.abc import Callable, Iterator
@@ -24,15 +27,13 @@ from helpers.transport import connected_pair
 from dissoc.client import ClientOptions, fetch_async
 from dissoc.server import Server
 from dissoc.session.landing import Slabs
+from dissoc.transport.ucx import calls as calls_module
+from dissoc.transport.ucx.calls import Calls, native_module
+from dissoc.transport.ucx.library import ucx_context, ucxx_lib
+from dissoc.transport.ucx.libucp import UCS_INPROGRESS, UCS_OK, UcpRequestParam, ptr_is_err
 
 pytestmark = [pytest.mark.ucx, pytest.mark.timeout(60)]
 
-ucxx = pytest.importorskip("ucxx", reason="needs ucxx (the 'ucx' extra)")
-
-from dissoc.transport.ucx import calls as calls_module  # noqa: E402 (after the importorskip)
-from dissoc.transport.ucx.calls import Calls, native_module  # noqa: E402
-from dissoc.transport.ucx.library import ucx_context, ucxx_lib  # noqa: E402
-from dissoc.transport.ucx.libucp import UCS_INPROGRESS, UCS_OK, UcpRequestParam, ptr_is_err  # noqa: E402
 
 MiB = 1 << 20
 SOURCE = Path(calls_module.__file__).with_name("_fast.c")
@@ -203,3 +204,17 @@ async def test_client_streams_land_their_bodies(
     assert got.equals(table)
     assert len(landed) == len(batches), "every body should have landed in a slab"
     assert set(landed) == {16_000}
+
+
+def test_contexts_send_messages_up_to_64_kib_eagerly() -> None:
+    """A small body by rendezvous costs a round trip between the processes; UCX_RNDV_THRESH still wins."""
+    for kind in ("default", "listener"):
+        assert ucx_context(kind).config["RNDV_THRESH"] == "intra:64K,inter:64K", kind
+    code = (
+        "from dissoc.transport.ucx.library import ucx_context;"
+        "print(ucx_context('default').config['RNDV_THRESH'], ucx_context('listener').config['RNDV_THRESH'])"
+    )
+    env = {**os.environ, "UCX_RNDV_THRESH": "8192"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["intra:8K,inter:8K", "intra:8K,inter:8K"]

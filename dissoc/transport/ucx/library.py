@@ -61,21 +61,26 @@ def _restore_environment(before: dict[str, str]) -> None:
             os.environ[key] = value
 
 
+#: Extra configuration of every context (see :func:`ucx_context`): messages up to 64 KiB go eagerly.
+EAGER_CONFIG = {"RNDV_THRESH": "65536"}
 #: Extra configuration of the context for the listener path's workers (see :func:`ucx_context`).
-LISTENER_CONFIG = {"RNDV_SCHEME": "put_zcopy", "RNDV_THRESH": "65536"}
+LISTENER_CONFIG = {"RNDV_SCHEME": "put_zcopy", **EAGER_CONFIG}
 
 
 def ucx_context(kind: str = "default") -> Any:
     """The process's UCX context of ``kind`` (tag matching, active messages, wake-up, RMA), created once.
 
-    ``"listener"``: the listener path's (the listener's worker and the workers its connections are accepted
-    on, a client's listener-path worker). Those endpoints run over TCP here, where UCX's put-based rendezvous
-    doubles large messages' throughput, and where messages up to 64 KiB go eagerly rather than by rendezvous
-    (ucxx's 8 KiB threshold cost a round trip per small body: 16 KiB batches moved at about half the rate);
-    ``LISTENER_CONFIG``, overridden by ``UCX_RNDV_SCHEME``/``UCX_RNDV_THRESH``. Set for the whole process the
-    rendezvous scheme slowed the same-host path's shared memory, hence a context of their own. (Eager or not
-    is the sender's choice: a peer's messages reach a server the way the peer's own UCX settings send them.)
-    The listener path's context also has the stream API, for ucxx's peer information.
+    Messages up to 64 KiB go eagerly rather than by rendezvous in every context (``EAGER_CONFIG``; ucxx's
+    8 KiB threshold cost a round trip between the two processes per small body: over shared memory the
+    sender then waits for the receiver's answer before each body moves, over TCP a round trip too; 16 KiB
+    batches moved at about two thirds of the rate on the same-host path, half over TCP). ``"listener"``: the
+    listener path's (the listener's worker and the workers its connections are accepted on, a client's
+    listener-path worker). Those endpoints run over TCP here, where UCX's put-based rendezvous doubles large
+    messages' throughput (``LISTENER_CONFIG``); set for the whole process the rendezvous scheme slowed the
+    same-host path's shared memory, hence a context of their own. ``UCX_RNDV_SCHEME``/``UCX_RNDV_THRESH``
+    override both. (Eager or not is the sender's choice: a peer's messages reach a server the way the peer's
+    own UCX settings send them.) The listener path's context also has the stream API, for ucxx's peer
+    information.
     """
     context = _contexts.get(kind)
     if context is None:
@@ -87,8 +92,9 @@ def ucx_context(kind: str = "default") -> Any:
         # Without cma: UCX aborts a process whose cma read fails because the peer died mid-transfer (the data
         # endpoints have no peer-failure handling); shared memory still carries the data. UCX_TLS overrides.
         config = {} if "UCX_TLS" in os.environ else {"TLS": "^cma"}
+        extra = LISTENER_CONFIG if kind == "listener" else EAGER_CONFIG
+        config.update({k: v for k, v in extra.items() if f"UCX_{k}" not in os.environ})
         if kind == "listener":
-            config.update({k: v for k, v in LISTENER_CONFIG.items() if f"UCX_{k}" not in os.environ})
             # A server restarted on its port must be able to listen there again while the connections of
             # the one before linger in TIME_WAIT (as dissoc's TCP listeners can: SO_REUSEADDR).
             if "UCX_TCP_CM_REUSEADDR" not in os.environ:
