@@ -116,7 +116,7 @@ _NO_SLAB: U8Array = np.empty(0, dtype=np.uint8)
 
 
 #: Idle checks per allocation of a pooled size class before a fresh array is allocated instead.
-_TRIES = 4
+_TRIES = 64
 #: Allocations that skip looking for idle arrays to evict after a look found none, once the pool holds more
 #: than ``_SCAN_FREELY`` arrays (fewer cost little to look through every time).
 _EVICT_BACKOFF = 32

@@ -22,6 +22,8 @@ __all__ = ["SLAB_BYTES", "Landed", "Slabs", "copied"]
 
 #: Bytes of one landing slab.
 SLAB_BYTES = 1 << 20
+#: Distinct metadata a stream's slabs keep the one-read landing of (a stream of same-shaped batches has one).
+_PLAIN_KEPT = 64
 _NO_SLAB = pa.py_buffer(b"")
 
 
@@ -46,7 +48,7 @@ def copied(staged: memoryview) -> object:
 class Slabs:
     """Lands bodies for one decoder (see the module's text)."""
 
-    __slots__ = ("_address", "_decoder", "_pos", "_slab", "_view")
+    __slots__ = ("_address", "_decoder", "_plain", "_pos", "_slab", "_view")
 
     def __init__(self, decoder: MessageDecoder) -> None:
         self._decoder = decoder
@@ -54,39 +56,46 @@ class Slabs:
         self._view = memoryview(b"")
         self._slab = _NO_SLAB
         self._address = 0
+        #: The decoder's one-read landings by metadata, once it has one (the per-message path asks here).
+        self._plain: dict[bytes, Landing] = {}
 
-    def reserve(self, metadata: bytes, nbytes: int) -> tuple[Landed, memoryview, int] | None:
+    def reserve(self, metadata: bytes, nbytes: int) -> tuple[Landed, int] | None:
         """Room in the current slab for a packed body of ``nbytes`` that a transport will receive itself,
         after room for ``metadata``'s framing (the framing is written now): the :class:`Landed` to decode it
-        from once it arrived, a writable view of where its bytes go and that view's address. None for a body
-        too large to share a slab (the transport's allocator gives it a buffer of its own)."""
-        plain = self._decoder.landing(metadata)
-        room = frame_room(len(metadata)) if plain is None else plain.room
+        from once it has arrived, and the address its bytes go to. None for a body too large to share a slab
+        (the transport's allocator gives it a buffer of its own)."""
+        plain = self._plain.get(metadata)
+        if plain is None:
+            plain = self._decoder.landing(metadata)
+            if plain is not None:
+                if len(self._plain) < _PLAIN_KEPT:
+                    self._plain[metadata] = plain
+                room = plain.room
+            else:
+                room = frame_room(len(metadata))
+        else:
+            room = plain.room
         need = room + nbytes
         if need > SLAB_BYTES // 4:
             return None
-        pos = self._next(need)
-        end = pos + need
-        view = self._view
-        self._pos = (end + ALIGNMENT - 1) & -ALIGNMENT
-        target = view[pos + room : end]
-        if plain is not None:
-            view[pos : pos + room] = plain.head
-            landed = _new_landed(Landed, (self._slab.slice(pos, need), plain))
-        else:
-            landed = _new_landed(Landed, (pa.py_buffer(view[pos:end]), None))
-        return landed, target, self._address + pos + room
-
-    def _next(self, need: int) -> int:
-        """Where the next ``need`` bytes go in the current slab (a fresh one when they do not fit)."""
         pos = self._pos
         if pos + need > SLAB_BYTES:
-            slab = DEFAULT_POOL.allocate(SLAB_BYTES)  # (an idle pooled one, once nothing uses it)
-            self._view = slab.data
-            self._slab = pa.py_buffer(slab)
-            self._address = self._slab.address
-            pos = 0
-        return pos
+            pos = self._next()
+        end = pos + need
+        self._pos = (end + ALIGNMENT - 1) & -ALIGNMENT
+        if plain is not None:
+            self._view[pos : pos + room] = plain.head
+            return _new_landed(Landed, (self._slab.slice(pos, need), plain)), self._address + pos + room
+        landed = _new_landed(Landed, (pa.py_buffer(self._view[pos:end]), None))
+        return landed, self._address + pos + room
+
+    def _next(self) -> int:
+        """A fresh slab to land in (an idle pooled one, once nothing uses it): its first position."""
+        slab = DEFAULT_POOL.allocate(SLAB_BYTES)
+        self._view = slab.data
+        self._slab = pa.py_buffer(slab)
+        self._address = self._slab.address
+        return 0
 
     def land(self, staged: memoryview, metadata: bytes | None) -> object:
         """``staged`` (a packed body lent by the transport) landed for decoding with ``metadata``; without
@@ -97,11 +106,13 @@ class Slabs:
         room = frame_room(len(metadata)) if plain is None else plain.room
         nbytes = len(staged)
         need = room + nbytes
-        if need > SLAB_BYTES // 4 and self._pos + need > SLAB_BYTES:  # a large body: an allocation of its own
-            landing = DEFAULT_POOL.allocate(need)
-            landing.data[room:] = staged
-            return _new_landed(Landed, (pa.py_buffer(landing), None))
-        pos = self._next(need)
+        pos = self._pos
+        if pos + need > SLAB_BYTES:
+            if need > SLAB_BYTES // 4:  # a large body: an allocation of its own
+                landing = DEFAULT_POOL.allocate(need)
+                landing.data[room:] = staged
+                return _new_landed(Landed, (pa.py_buffer(landing), None))
+            pos = self._next()
         end = pos + need
         view = self._view
         view[pos + room : end] = staged

@@ -175,7 +175,7 @@ class Session:
 
     # -- the pump (inside the transports' reading callbacks; never raises) -----------------------------------
 
-    def _land(self, tag: int, length: int) -> tuple[object, memoryview, int] | None:
+    def _land(self, tag: int, length: int) -> tuple[object, int] | None:
         """Where a packed body goes whose metadata is held for it (the data connection's lander): in a slab,
         after room for its framing, to be decoded with one read; None for the allocator."""
         slabs = self._slabs

@@ -97,9 +97,9 @@ DEFAULT_MAX_BUFFERED_BYTES = 256 << 20
 SendData: TypeAlias = "BytesLike | Sequence[BytesLike]"
 #: Placement hook: ``(tag, length) -> writable buffer of exactly length bytes``.
 Allocator: TypeAlias = "Callable[[int, int], BytesLike]"
-#: ``lander(tag, length)`` (see :meth:`Connection.set_lander`): ``(payload, a writable view of where its bytes
-#: go, that view's address)``, or None to leave the message to the allocator.
-Lander: TypeAlias = "Callable[[int, int], tuple[Any, memoryview, int] | None]"
+#: ``lander(tag, length)`` (see :meth:`Connection.set_lander`): ``(payload, the address its bytes go to)``, or
+#: None to leave the message to the allocator.
+Lander: TypeAlias = "Callable[[int, int], tuple[Any, int] | None]"
 #: A server's per-connection coroutine.
 Handler: TypeAlias = "Callable[[Connection], Awaitable[None]]"
 
@@ -328,12 +328,12 @@ class Connection(abc.ABC):
         and length are known (UCX), offer every tagged message to ``lander`` before the allocator (None: the
         allocator alone).
 
-        ``lander(tag, length)`` returns ``(payload, view, address)``: the message's ``length`` bytes are
-        received into ``view`` (writable, ``length`` bytes, at ``address``) and ``payload``, which must keep
-        that memory alive, is what is handed out for it (delivered as is, held for ``recv_tagged`` as is); or
-        None, and the allocator places it. It runs inside the transport's reading callback, must be quick, and
-        if it raises the connection fails with that error. Transports that read payloads off a byte stream
-        lend small ones to the receiver instead (``Receiver.on_messages(..., lent=True)``) and never call it.
+        ``lander(tag, length)`` returns ``(payload, address)``: the message's ``length`` bytes are received
+        at ``address`` (writable memory that ``payload`` keeps alive), and ``payload`` is what is handed out
+        for it (delivered as is, held for ``recv_tagged`` as is); or None, and the allocator places it. It
+        runs inside the transport's reading callback, must be quick, and if it raises the connection fails
+        with that error. Transports that read payloads off a byte stream lend small ones to the receiver
+        instead (``Receiver.on_messages(..., lent=True)``) and never call it.
         """
         self._lander = lander
 
@@ -669,9 +669,11 @@ class Connection(abc.ABC):
             )
         return buffer, view
 
-    def _allocate_at(self, tag: int, length: int) -> tuple[BytesLike, memoryview, int]:
-        """:meth:`_allocate`, and the address of the buffer's first byte (a device buffer's device address),
-        for a transport that hands its library addresses."""
+    def _allocate_at(self, tag: int, length: int) -> tuple[Any, object, int]:
+        """Where a tagged payload of ``length`` bytes goes, for a transport that hands its library addresses:
+        the payload to hand out, what keeps its memory alive while it is written (a writable view of the
+        allocator's buffer; the payload itself for the lander's) and the address of its first byte (a device
+        buffer's device address). The lander first (:meth:`set_lander`), then :meth:`_allocate`."""
         lander = self._lander
         if lander is not None:
             try:
@@ -684,7 +686,7 @@ class Connection(abc.ABC):
                     f"bytes: {exc!r}"
                 ) from exc
             if landed is not None:
-                return landed
+                return landed[0], landed[0], landed[1]
         if self._allocator is default_allocator:
             pooled, address = DEFAULT_POOL.allocate_at(length)
             return pooled, pooled.data, address

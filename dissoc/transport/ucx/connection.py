@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dissoc.buffers import BytesLike, device_nbytes
+from dissoc.buffers import device_nbytes
 from dissoc.errors import DissocError, ProtocolError, ResourceError, TransportError
 from dissoc.logs import peer_log
 from dissoc.transport._inbox import Waiter
@@ -91,14 +91,13 @@ _RECV_PARAM_ADDRESS = ctypes.addressof(_RECV_PARAM)
 
 
 class _TaggedRecv:
-    """A tagged receive UCX has started: its request, the message's tag and length, where it lands (the buffer
-    the allocator gave and a writable view of it), and the waiter it was taken for (its id, or 0)."""
+    """A tagged receive UCX has started: its request, the message's tag and length, where it lands (the
+    payload to hand out, and what keeps its memory alive while UCX writes it), and the waiter it was taken
+    for (its id, or 0)."""
 
     __slots__ = ("buffer", "length", "request", "tag", "view", "waiter")
 
-    def __init__(
-        self, request: Any, tag: int, length: int, buffer: BytesLike, view: memoryview, waiter: int
-    ) -> None:
+    def __init__(self, request: Any, tag: int, length: int, buffer: Any, view: object, waiter: int) -> None:
         self.request = request
         self.tag = tag
         self.length = length
@@ -343,7 +342,11 @@ class UcxConnection(Connection):
             # kept until UCX completes the send (see _settle_sends), and a failure fails the connection.
             sending.append(_Send(request, keep, total if host is None else len(host), tagged, tag, now))
             self._sending_bytes += sending[-1].nbytes
-        driver.kick()
+        if sending or self._raw_ep is None:
+            # Something is under way (or ucxx's endpoint may want progress): progress soon. Sends UCX
+            # completed at once (small ones over shared memory, mostly) leave nothing to progress, and the
+            # worker stays armed for what the peer sends.
+            driver.kick()
         await self._within_send_window()
 
     def _settle_sends(self) -> bool:
@@ -526,15 +529,28 @@ class UcxConnection(Connection):
                 if self._closed:
                     return activity
                 activity = self._probe(waiter.tag, waiter.mask, waiter, force) or activity
-        while not self._closed and self._probe(0, 0, None, force):
+        # Messages received whole at once go to a receiver together, at the end of the pass.
+        done: list[Received] | None = [] if self._receiver is not None else None
+        while not self._closed and self._probe(0, 0, None, force, done):
             activity = True
+        if done:
+            self._hand_over(done)
         return activity
 
-    def _probe(self, tag: int, mask: int, waiter: Waiter | None, force: bool) -> bool:
+    def _hand_over(self, done: list[Received]) -> None:
+        """Messages received whole in this pass (counted in ``_inflight`` until now) to the receiver."""
+        self._inflight -= sum(nbytes for _, _, nbytes in done)
+        self._deliver_all(done)
+
+    def _probe(
+        self, tag: int, mask: int, waiter: Waiter | None, force: bool, done: list[Received] | None = None
+    ) -> bool:
         """Receive the oldest message matching ``tag``/``mask`` if there is one and it may be taken now.
 
         Straight through libucp (``ucp_tag_probe_nb``, ``ucp_tag_msg_recv_nbx``): an eager message that has
-        arrived whole is received at once, and none needs an object of ucxx's per message.
+        arrived whole is received at once, and none needs an object of ucxx's per message. With ``done`` (the
+        receiver's list for this pass), a message for no waiter that was received at once, while no receive
+        is under way before it, goes there instead of waiting for the next pass.
         """
         wanted = waiter is not None
         # When any message of an admissible size would be taken, it is taken by the first probe; otherwise
@@ -555,6 +571,9 @@ class UcxConnection(Connection):
             self._take_bye(length, message if certain else None)
             return True
         if length > self._max_message_bytes:
+            if done:
+                self._hand_over(done)  # (what came before it first)
+                done.clear()
             self._teardown(
                 MessageTooLargeError(
                     f"{self._description}: the peer sent tagged message {found:#018x} of {length} bytes; "
@@ -569,6 +588,9 @@ class UcxConnection(Connection):
         try:
             self._accept(found, length)
         except DissocError as exc:
+            if done:
+                self._hand_over(done)
+                done.clear()
             self._teardown(exc)
             if certain:
                 self._discard(message, length)
@@ -585,6 +607,10 @@ class UcxConnection(Connection):
                 return False
             message = probed[0]
         ptr = self._msg_recv(self._worker_handle, address, length, message, _RECV_PARAM_ADDRESS)
+        if not ptr and done is not None and waiter is None and not self._tagged:
+            self._inflight += length
+            done.append((found, buffer, length))
+            return True
         request = RawRequest(ptr, None, self._recv_what, found) if ptr else COMPLETED
         key = id(waiter) if waiter is not None else 0
         if key:

@@ -94,11 +94,10 @@ def ucx_context(kind: str = "default") -> Any:
         config = {} if "UCX_TLS" in os.environ else {"TLS": "^cma"}
         extra = LISTENER_CONFIG if kind == "listener" else EAGER_CONFIG
         config.update({k: v for k, v in extra.items() if f"UCX_{k}" not in os.environ})
-        if kind == "listener":
+        if kind == "listener" and "UCX_TCP_CM_REUSEADDR" not in os.environ:
             # A server restarted on its port must be able to listen there again while the connections of
             # the one before linger in TIME_WAIT (as dissoc's TCP listeners can: SO_REUSEADDR).
-            if "UCX_TCP_CM_REUSEADDR" not in os.environ:
-                config["TCP_CM_REUSEADDR"] = "y"
+            config["TCP_CM_REUSEADDR"] = "y"
         # ucxx's own defaults (they were environment variables; UCX_* set by the user still win).
         settings = {k: v for k, v in _UCXX_SETTINGS.items() if f"UCX_{k}" not in os.environ}
         try:
