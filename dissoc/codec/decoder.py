@@ -331,6 +331,15 @@ class MessageDecoder:
             return self._decode_scattered(c, h, body, body_length, key)
         if h.compression is not None or self._info.big_endian:
             return self._decode_general(c, h, body, body_length)
+        prep = self._prepared_layout(c, h, body_length, key)
+        if prep.frame is not None and self.ipc_reader:
+            return self._decode_ipc(prep, body)
+        return self._instantiate(c, prep, body)
+
+    def _prepared_layout(
+        self, c: Compiled, h: RecordBatchHeader, body_length: int, key: bytes | None
+    ) -> Prepared:
+        """The prepared layout of an uncompressed little-endian batch (cached per metadata ``key``)."""
         cache = self._prepared
         prep = cache.get(key) if key is not None else None
         if prep is None or prep.compiled is not c:
@@ -347,9 +356,7 @@ class MessageDecoder:
                     if c.binary_nodes is not None and prep.rest_checked:
                         prep.spans = _binary_spans(c, h, prep)
                 remember(cache, key, prep)
-        if prep.frame is not None and self.ipc_reader:
-            return self._decode_ipc(prep, body)
-        return self._instantiate(c, prep, body)
+        return prep
 
     # ------------------------------------------------------------------------- through pyarrow's IPC reader
 
@@ -478,21 +485,40 @@ class MessageDecoder:
             raise CodecError(f"RecordBatch: invalid data: {e}") from None
 
     def landing(self, metadata: bytes) -> Landing | None:
-        """A :class:`Landing` for batches of ``metadata``: where this decoder has decoded one before and its
-        layout leaves nothing to check in a body (fixed-width columns whose sizes the metadata settles, no
-        content checks), so that a receiver can land each body in a slab of its own and decode it with one
-        read. None otherwise (then :meth:`decode_landed` or :meth:`decode`)."""
+        """A :class:`Landing` for batches of ``metadata``: where its layout leaves nothing to check in a body
+        (fixed-width columns whose sizes the metadata settles, no content checks), so that a receiver can land
+        each body in a slab of its own and decode it with one read. None otherwise (then
+        :meth:`decode_landed` or :meth:`decode`). The layout is prepared from the metadata alone when no
+        batch of it was decoded yet (the schema must have been); metadata that does not prepare (not a
+        batch, malformed) gets None here, and its decode says what is wrong."""
         got = self._landings.get(metadata, _UNKNOWN)
         if got is not _UNKNOWN:
             return got  # type: ignore[return-value]
         prep = self._prepared.get(metadata)
         if prep is None:
-            return None  # (not known yet: nothing to remember)
+            prep = self._prepare_unseen(metadata)
+            if prep is None:
+                return None  # (nothing to remember: its decode decides)
         # shape_checked layouts are fixed-width columns only: no content checks, no full validation after
         plain = self.ipc_reader and prep.frame is not None and prep.shape_checked
         found = Landing(self, metadata, prep) if plain else None
         remember(self._landings, metadata, found)
         return found
+
+    def _prepare_unseen(self, metadata: bytes) -> Prepared | None:
+        """The prepared layout of batch ``metadata`` before any body of it came, where it has one."""
+        c = self._compiled
+        info = self._info
+        if c is None or info is None or info.big_endian or type(metadata) is not bytes:
+            return None
+        try:
+            msg = self._parse_cached(metadata, metadata)
+            h = msg.batch
+            if msg.header_type != HeaderType.RecordBatch or h is None or h.compression is not None:
+                return None
+            return self._prepared_layout(c, h, msg.info.body_length, metadata)
+        except (CodecError, pa.ArrowException, ValueError):
+            return None
 
     def _landing_refused(self, key: bytes, prep: Prepared, body: pa.Buffer) -> pa.RecordBatch:
         self._landings[key] = None  # (prep.frame is None from now on: the C Data Interface path)

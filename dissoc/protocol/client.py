@@ -242,7 +242,10 @@ class ClientStream:
         held = self._held
         if not held:
             return None
-        at = (tag - held[0][0]) & SEQ_MAX
+        first = held[0]
+        if first[0] == tag:  # (the common case: bodies come in order)
+            return first[1]
+        at = (tag - first[0]) & SEQ_MAX
         if tag > _PACKED_TAG_MAX or at >= len(held):
             return None
         seq, metadata = held[at]

@@ -686,7 +686,8 @@ class Connection(abc.ABC):
                     f"bytes: {exc!r}"
                 ) from exc
             if landed is not None:
-                return landed[0], landed[0], landed[1]
+                payload, address = landed
+                return payload, payload, address
         if self._allocator is default_allocator:
             pooled, address = DEFAULT_POOL.allocate_at(length)
             return pooled, pooled.data, address

@@ -318,10 +318,10 @@ def test_a_landing_reads_a_slice_of_a_slab_as_decode_landed_would(columns: dict[
     batch = pa.record_batch(columns)
     schema_md, md, body = _encode(batch)
     dec = _decoder(schema_md)
-    assert dec.landing(md) is None  # not seen yet
-    assert_batch_equal(dec.decode_landed(md, _land(md, body)), batch)
-    landing = dec.landing(md)
+    landing = dec.landing(md)  # prepared from the metadata alone: no batch of it decoded yet
     assert landing is not None and landing is dec.landing(md)
+    assert_batch_equal(dec.decode_landed(md, _land(md, body)), batch)
+    assert dec.landing(md) is landing
     assert landing.room == codec.frame_room(len(md)) == len(landing.head)
     assert landing.need == landing.room + len(body)
     slab, framed = _framed_in_slab(landing, body)
@@ -333,6 +333,18 @@ def test_a_landing_reads_a_slice_of_a_slab_as_decode_landed_would(columns: dict[
     assert_batch_equal(got, batch)
     with pytest.raises(CodecError, match="expected"):
         landing.read(_framed_in_slab(landing, body[:-8])[1])
+
+
+def test_no_landing_before_the_schema_nor_for_what_is_no_plain_batch() -> None:
+    batch = pa.record_batch({"x": pa.array(np.arange(10, dtype=np.int64))})
+    schema_md, md, body = _encode(batch)
+    assert codec.MessageDecoder().landing(md) is None  # no schema yet
+    dec = _decoder(schema_md)
+    assert dec.landing(schema_md) is None  # not a batch
+    assert dec.landing(md[:-8]) is None  # malformed: its decode says so
+    with pytest.raises(CodecError):
+        dec.decode(md[:-8], body)
+    assert_batch_equal(dec.decode(md, body), batch)
 
 
 @pytest.mark.parametrize(

@@ -132,6 +132,24 @@ def test_tagged_message_probed_and_received(kind: Calls, pair: _Pair) -> None:
     assert kind.tag_probe(pair.b_handle, 0, 0, True) is None
 
 
+def test_a_probe_takes_a_message_only_within_the_room_given(kind: Calls, pair: _Pair) -> None:
+    _, param = _param()
+    for tag, size in ((1, 100), (2, 5000)):
+        sent = kind.tag_send(pair.ep_handle, bytes(size), size, tag, param)
+        if sent:
+            pair.until(lambda sent=sent: kind.request_test(sent) == UCS_OK, "the send")
+    first = pair.until(lambda: kind.tag_probe_take(pair.b_handle, 0, 0, 1000), "the probe")
+    assert first[0] and first[1:] == (1, 100)  # taken: within the room
+    into = np.empty(5000, dtype=np.uint8)
+    assert kind.tag_msg_recv(pair.b_handle, int(into.ctypes.data), 100, first[0], param) == 0
+    assert kind.tag_probe_take(pair.b_handle, 0, 0, 1000) == (0, 2, 5000)  # looked at only
+    assert kind.tag_probe_take(pair.b_handle, 0, 0, 4999) == (0, 2, 5000)
+    second = kind.tag_probe_take(pair.b_handle, 2, 0xFFFF_FFFF_FFFF_FFFF, -1)  # no limit
+    assert second is not None and second[0] and second[1:] == (2, 5000)
+    assert kind.tag_msg_recv(pair.b_handle, int(into.ctypes.data), 5000, second[0], param) == 0
+    assert kind.tag_probe_take(pair.b_handle, 0, 0, -1) is None
+
+
 def test_send_from_an_address_and_a_pending_request(kind: Calls, pair: _Pair) -> None:
     _, param = _param()
     source = np.arange(4 * MiB, dtype=np.uint8)  # large enough for rendezvous: the send stays under way

@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Bumped whenever the interface changes: the Python side uses this module only at the version it expects. */
-#define FAST_ABI 1
+#define FAST_ABI 2
 
 /* ucp_am_recv_attr_t: the message is a rendezvous announcement (its data must be fetched or released). */
 #define UCP_AM_RECV_ATTR_FLAG_RNDV (1ULL << 17)
@@ -169,6 +169,41 @@ fast_tag_probe(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
+/* tag_probe_take(worker, tag, mask, most) -> (message, sender_tag, length) | None: the oldest message matching
+ * tag/mask, taken out of UCX when most < 0 or its length is at most most; else looked at only (message 0). A
+ * second probe with the exact tag finds the same message: it is the oldest of those matching the first. */
+static PyObject *
+fast_tag_probe_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    void *worker;
+    uint64_t tag, mask;
+    tag_recv_info_t info;
+    (void)self;
+    if (check_args(nargs, 4, "tag_probe_take") < 0 || as_pointer(args[0], &worker) < 0 || as_u64(args[1], &tag) < 0 ||
+        as_u64(args[2], &mask) < 0)
+        return NULL;
+    long long most = PyLong_AsLongLong(args[3]);
+    if (most == -1 && PyErr_Occurred())
+        return NULL;
+    void *message = p_tag_probe(worker, tag, mask, most < 0, &info);
+    if (message == NULL)
+        Py_RETURN_NONE;
+    if (most >= 0) {
+        if (info.length <= (unsigned long long)most) {
+            tag_recv_info_t again;
+            message = p_tag_probe(worker, info.sender_tag, ~(uint64_t)0, 1, &again);
+            if (message == NULL) { /* cannot happen: it matched a moment ago */
+                PyErr_SetString(PyExc_RuntimeError, "tag_probe_take(): the probed message went away");
+                return NULL;
+            }
+        } else {
+            message = NULL;
+        }
+    }
+    return Py_BuildValue("(NKn)", PyLong_FromVoidPtr(message), (unsigned long long)info.sender_tag,
+                         (Py_ssize_t)info.length);
+}
+
 /* tag_msg_recv(worker, address, length, message, param) -> the request pointer (0: completed at once) */
 static PyObject *
 fast_tag_msg_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -316,6 +351,8 @@ static PyMethodDef fast_methods[] = {
      "bind(tag_probe_nb, tag_msg_recv_nbx, tag_send_nbx, am_send_nbx, request_check_status, request_free)"},
     {"tag_probe", (PyCFunction)(void (*)(void))fast_tag_probe, METH_FASTCALL,
      "tag_probe(worker, tag, mask, remove) -> (message, sender_tag, length) | None"},
+    {"tag_probe_take", (PyCFunction)(void (*)(void))fast_tag_probe_take, METH_FASTCALL,
+     "tag_probe_take(worker, tag, mask, most) -> (message, sender_tag, length) | None; message 0: left in UCX"},
     {"tag_msg_recv", (PyCFunction)(void (*)(void))fast_tag_msg_recv, METH_FASTCALL,
      "tag_msg_recv(worker, address, length, message, param) -> request pointer"},
     {"tag_send", (PyCFunction)(void (*)(void))fast_tag_send, METH_FASTCALL,

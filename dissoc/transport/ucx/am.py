@@ -138,8 +138,8 @@ class AmReceiver:
         self._max = max_message_bytes
         self._description = description
         #: Arrival order: eager messages as bytes (queued by the C handler, or by arrived()), rendezvous ones
-        #: as a _Message until they have arrived.
-        self._queue: deque[bytes | _Message] = deque()
+        #: as a _Message until they have arrived (see ready/pop). The connection takes leading bytes directly.
+        self.queue: deque[bytes | _Message] = deque()
         self._cancelled: list[_Message] = []
         #: The first failure (an oversized message, a receive UCX failed); the owner tears down on it.
         self.error: DissocError | None = None
@@ -156,7 +156,7 @@ class AmReceiver:
         params.cb = _handler()
         params.arg = worker
         _RECEIVERS[worker] = self
-        _QUEUES[worker] = (self._queue.append, max_message_bytes)
+        _QUEUES[worker] = (self.queue.append, max_message_bytes)
         try:
             check(
                 lib().ucp_worker_set_am_recv_handler(worker, ctypes.byref(params)), "setting the AM handler"
@@ -181,7 +181,7 @@ class AmReceiver:
                 lib().ucp_am_data_release(self._worker, data)
             return UCS_OK
         if not rendezvous:
-            self._queue.append(ctypes.string_at(data or 0, length) if length else b"")
+            self.queue.append(ctypes.string_at(data or 0, length) if length else b"")
             return UCS_OK
         buffer = np.empty(max(1, length), dtype=np.uint8)
         param = UcpRequestParam()
@@ -194,7 +194,7 @@ class AmReceiver:
                 f"{status_string(ptr_status(ptr))}"
             )
             return UCS_OK
-        self._queue.append(_Message(buffer, length, ptr if ptr_is_ptr(ptr) else None))
+        self.queue.append(_Message(buffer, length, ptr if ptr_is_ptr(ptr) else None))
         return UCS_OK
 
     def _finished(self, message: _Message) -> bool:
@@ -216,9 +216,9 @@ class AmReceiver:
 
     def ready(self) -> int | None:
         """The length of the oldest message if it has fully arrived, else None."""
-        if not self._queue:
+        if not self.queue:
             return None
-        head = self._queue[0]
+        head = self.queue[0]
         if type(head) is bytes:  # (an eager message, copied out as it arrived)
             return len(head)
         assert isinstance(head, _Message)
@@ -226,7 +226,7 @@ class AmReceiver:
 
     def pop(self) -> bytes | memoryview:
         """Take the oldest message (after :meth:`ready` said it has arrived)."""
-        message = self._queue.popleft()
+        message = self.queue.popleft()
         if type(message) is bytes:
             return message
         assert isinstance(message, _Message)
@@ -237,7 +237,7 @@ class AmReceiver:
     @property
     def busy(self) -> bool:
         """Whether messages are queued or still arriving."""
-        return bool(self._queue)
+        return bool(self.queue)
 
     def close(self) -> None:
         """Stop receiving (later messages are dropped) and cancel the receives still under way."""
@@ -247,11 +247,11 @@ class AmReceiver:
         if _RECEIVERS.get(self._worker) is self:
             del _RECEIVERS[self._worker]
             _QUEUES.pop(self._worker, None)
-        for message in self._queue:
+        for message in self.queue:
             if type(message) is _Message and message.request is not None:
                 lib().ucp_request_cancel(self._worker, message.request)
                 self._cancelled.append(message)
-        self._queue.clear()
+        self.queue.clear()
 
     def reap(self) -> bool:
         """Free the cancelled receives that have finished (call between progress calls); True when none is

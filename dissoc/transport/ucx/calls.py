@@ -28,8 +28,10 @@ __all__ = ["Calls", "calls", "native_module"]
 logger = logging.getLogger(__name__)
 
 #: The C module's interface version this package is written for (``_fast.ABI``).
-NATIVE_ABI = 1
+NATIVE_ABI = 2
 
+#: Every bit of a tag.
+ALL = 0xFFFF_FFFF_FFFF_FFFF
 #: ``fallback(worker, data, length, recv_attr)``: the Python side of the active-message handler.
 AmFallback = Callable[[int, int, int, int], None]
 
@@ -62,6 +64,9 @@ class Calls:
     """The per-message calls (see the module's text), through the C module or through ctypes."""
 
     tag_probe: Callable[[int, int, int, bool], tuple[int, int, int] | None]
+    #: ``tag_probe_take(worker, tag, mask, most)``: the oldest message matching, taken out of UCX when
+    #: ``most < 0`` or its length is at most ``most``, else only looked at (then its message handle is 0).
+    tag_probe_take: Callable[[int, int, int, int], tuple[int, int, int] | None]
     tag_msg_recv: Callable[[int, int, int, int, int], int]
     tag_send: Callable[[int, int | bytes, int, int, int], int]
     am_send: Callable[[int, int, int | bytes, int, int | bytes, int, int], int]
@@ -82,6 +87,7 @@ class Calls:
         if native is not None:
             native.bind(*(_address(fn) for fn in functions))
             self.tag_probe = native.tag_probe
+            self.tag_probe_take = native.tag_probe_take
             self.tag_msg_recv = native.tag_msg_recv
             self.tag_send = native.tag_send
             self.am_send = native.am_send
@@ -103,6 +109,15 @@ class Calls:
         def tag_probe(worker: int, tag: int, mask: int, remove: bool) -> tuple[int, int, int] | None:
             message = probe(worker, tag, mask, 1 if remove else 0, info_address)
             return None if not message else (message, info.sender_tag, info.length)
+
+        def tag_probe_take(worker: int, tag: int, mask: int, most: int) -> tuple[int, int, int] | None:
+            message = probe(worker, tag, mask, 1 if most < 0 else 0, info_address)
+            if not message:
+                return None
+            found, length = info.sender_tag, info.length
+            if most >= 0:
+                message = probe(worker, found, ALL, 1, info_address) if length <= most else 0
+            return message or 0, found, length
 
         def tag_msg_recv(worker: int, address: int, length: int, message: int, param: int) -> int:
             return recv(worker, address, length, message, param) or 0
@@ -134,6 +149,7 @@ class Calls:
             return status
 
         self.tag_probe = tag_probe
+        self.tag_probe_take = tag_probe_take
         self.tag_msg_recv = tag_msg_recv
         self.tag_send = tag_send
         self.am_send = am_send

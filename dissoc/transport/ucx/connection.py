@@ -167,6 +167,7 @@ class UcxConnection(Connection):
         self._worker_handle = int(self._worker.handle)
         ucp = calls()
         self._tag_probe = ucp.tag_probe
+        self._tag_probe_take = ucp.tag_probe_take
         self._msg_recv = ucp.tag_msg_recv
         self._recv_what = f"{description}: receiving tagged message"
         self._inflight = 0
@@ -474,6 +475,24 @@ class UcxConnection(Connection):
             return True
         activity = False
         received: list[Received] = []  # (for a receiver: handed over in one call)
+        queue = am.queue
+        fast = not (force or self._paused_by_owner) and self._receiver is not None and self._budget is None
+        if queue and fast:
+            # The common case, in fewer steps: eager messages (bytes already) to a receiver, as far as the
+            # buffering budget admits them (_may_take), and no shared receive budget to take room in.
+            used = self._buffered + self._inflight
+            room = self._max_buffered_bytes - used if used else -1
+            while queue:
+                head = queue[0]
+                if type(head) is not bytes:
+                    break
+                size = len(head)
+                if 0 <= room < size:
+                    break
+                queue.popleft()
+                received.append((None, head, size))
+            if received:
+                activity = self._heard = True
         while not self._closed:
             length = am.ready()
             if length is None:
@@ -552,23 +571,31 @@ class UcxConnection(Connection):
         receiver's list for this pass), a message for no waiter that was received at once, while no receive
         is under way before it, goes there instead of waiting for the next pass.
         """
-        wanted = waiter is not None
-        # When any message of an admissible size would be taken, it is taken by the first probe; otherwise
-        # the first only looks (its length decides), and a second one takes it.
-        if force:
-            certain = True
+        # Taken out of UCX at once when the buffering budget admits it (_may_take); else only looked at: a
+        # message that may not be taken now stays in UCX (UCX's own flow control holds the sender back).
+        if force or waiter is not None:
+            most = -1
         elif self._paused_by_owner:
-            certain = False
+            most = -2
         else:
             used = self._buffered + self._inflight
-            certain = wanted or used == 0 or used + self._max_message_bytes <= self._max_buffered_bytes
-        probed = self._tag_probe(self._worker_handle, tag, mask, certain)
+            if not used:
+                most = -1
+            else:
+                room = self._max_buffered_bytes - used
+                most = room if room >= 0 else -2
+        if most < -1:  # (paused, or the budget is used up: only looked at)
+            probed = self._tag_probe(self._worker_handle, tag, mask, False)
+            if probed is not None:
+                probed = (0, probed[1], probed[2])
+        else:
+            probed = self._tag_probe_take(self._worker_handle, tag, mask, most)
         if probed is None:
             return False
         self._heard = True
         message, found, length = probed
         if found == BYE_TAG:
-            self._take_bye(length, message if certain else None)
+            self._take_bye(length, message or None)
             return True
         if length > self._max_message_bytes:
             if done:
@@ -580,11 +607,11 @@ class UcxConnection(Connection):
                     f"the limit (max_message_bytes) is {self._max_message_bytes}"
                 )
             )
-            if certain:
+            if message:
                 self._discard(message, length)
             return True
-        if not certain and not self._may_take(length, wanted):
-            return False
+        if not message:
+            return False  # (not admitted now: it waits in UCX)
         try:
             self._accept(found, length)
         except DissocError as exc:
@@ -592,20 +619,13 @@ class UcxConnection(Connection):
                 self._hand_over(done)
                 done.clear()
             self._teardown(exc)
-            if certain:
-                self._discard(message, length)
+            self._discard(message, length)
             return True
         try:
             buffer, view, address = self._allocate_at(found, length)
         except BaseException:
-            if certain:
-                self._discard(message, length)
+            self._discard(message, length)
             raise
-        if not certain:
-            probed = self._tag_probe(self._worker_handle, found, TAG_MASK_ALL, True)
-            if probed is None:  # cannot happen: the message matched a moment ago
-                return False
-            message = probed[0]
         ptr = self._msg_recv(self._worker_handle, address, length, message, _RECV_PARAM_ADDRESS)
         if not ptr and done is not None and waiter is None and not self._tagged:
             self._inflight += length
