@@ -75,6 +75,10 @@ _METADATA: Final = int(MessageType.METADATA)
 _EOS: Final = int(MessageType.END_OF_STREAM)
 #: The largest tag of a packed body (body type 0 in bits 56-63, reserved bits 32-55 clear): the seq itself.
 _PACKED_TAG_MAX: Final = 0xFFFF_FFFF
+#: A :class:`MessageReady` from its fields without the named tuple's Python-level ``__new__`` (one per batch).
+_new_event: Final = tuple.__new__
+#: Distinct metadata a stream remembers as having a body (a stream of same-shaped batches has one).
+_BODIED_KEPT: Final = 64
 _STREAMING: Final = ClientState.STREAMING  # (module globals: cheaper than the enum's attributes)
 _FINISHED: Final = ClientState.FINISHED
 
@@ -142,6 +146,8 @@ class ClientStream:
         keep: Keep | None = None,
     ) -> None:
         self._has_body = has_body
+        #: Metadata known to have a body (the fast path asks here before has_body).
+        self._bodied: set[bytes] = set()
         self._reorder: ReorderBuffer[Any, object] = ReorderBuffer(
             window=window, max_pending_bytes=max_pending_bytes, start_seq=start_seq
         )
@@ -287,7 +293,7 @@ class ClientStream:
         held = self._held
         reorder = self._reorder
         events = self.events
-        has_body = self._has_body
+        bodied = self._bodied
         keep = self._keep
         window = self._window
         ordered = self._ordered
@@ -314,7 +320,7 @@ class ClientStream:
                             and (seq - next_seq) & SEQ_MAX < window
                         ):
                             metadata = payload[PREFIX_SIZE:]
-                            if has_body(metadata):
+                            if metadata in bodied or self._with_body(metadata):
                                 self._expected = (seq + 1) & SEQ_MAX
                                 held.append((seq, metadata))
                                 self._held_bytes += len(metadata)
@@ -326,15 +332,8 @@ class ClientStream:
                     if reorder.advance(seq, nbytes + len(metadata)):
                         held.popleft()
                         self._held_bytes -= len(metadata)
-                        events.append(
-                            MessageReady(
-                                seq,
-                                metadata,
-                                BODY_PACKED,
-                                keep(payload, metadata) if lent else payload,
-                                nbytes,
-                            )
-                        )
+                        body = keep(payload, metadata) if lent else payload
+                        events.append(_new_event(MessageReady, (seq, metadata, BODY_PACKED, body, nbytes)))
                         self._in_flight += nbytes
                         if self._state is not _STREAMING:  # the end of stream came already
                             self._released(())
@@ -355,6 +354,14 @@ class ClientStream:
         if self._moved:
             self._repause()
         return taken
+
+    def _with_body(self, metadata: bytes) -> bool:
+        """``has_body(metadata)``, remembered for the metadata that has one (a stream repeats a few)."""
+        if not self._has_body(metadata):
+            return False
+        if len(self._bodied) < _BODIED_KEPT:
+            self._bodied.add(metadata)
+        return True
 
     def receive_metadata_message(self, buf: BytesLike) -> list[ClientEvent]:
         """One message from the metadata stream (:meth:`receive` for one); the events it released.

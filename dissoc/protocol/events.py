@@ -1,10 +1,12 @@
 """What :class:`~dissoc.protocol.client.ClientStream` reports: one event per message released, in sequence
-order, then the end of the stream. Plain slotted dataclasses (one is made per batch)."""
+order, then the end of the stream. Plain slotted dataclasses, and a named tuple for the one made per batch
+(:class:`MessageReady`, which the stream makes with ``tuple.__new__``, without a Python-level call)."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from dissoc.protocol.arena import ArenaAnnouncement
 
@@ -35,8 +37,7 @@ class SchemaReceived:
     metadata: memoryview | bytes
 
 
-@dataclass(slots=True)
-class MessageReady:
+class MessageReady(NamedTuple):
     """A message after the schema was released, in sequence order.
 
     ``body`` is ``None`` without a body, a :class:`~dissoc.protocol.pairs.PairList` for body type 1, and for

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -26,7 +27,15 @@ from dissoc.codec import MessageDecoder
 from dissoc.errors import DevicePathError, DissocError, ProtocolError
 from dissoc.memory.pairs import PairReader, open_pair_reader
 from dissoc.metrics import CLIENT
-from dissoc.protocol import BODY_PACKED, BODY_PAIRS, ArenaAnnouncement, MessageReady, PairList, fmt_seq
+from dissoc.protocol import (
+    BODY_PACKED,
+    BODY_PAIRS,
+    ArenaAnnouncement,
+    ClientEvent,
+    MessageReady,
+    PairList,
+    fmt_seq,
+)
 from dissoc.session.landing import Landed
 from dissoc.session.options import HOST_COPY, ClientOptions, FetchPath, FetchStats
 from dissoc.uri import DissocURI
@@ -90,6 +99,7 @@ class Decoding:
             arena=None if memory is None else _arena_kind(data_uri),
         )
         self._ways = {""}  # the device landing ways seen (and none: a message without a body)
+        self._schema_metadata: object = None
         self.to_free = to_free
         self._on_release = on_release
         self._on_idle = on_idle
@@ -132,13 +142,51 @@ class Decoding:
         return self.device is None and self.data_uri.memory is None
 
     def schema(self, metadata: object) -> pa.Schema:
-        """The stream's Schema message."""
+        """The stream's Schema message (decoded once: a second call with it gives the same schema)."""
+        schema = self.decoder.schema
+        if schema is not None and metadata is self._schema_metadata:
+            return schema
         if self.device is not None:
             self.device.schema(metadata)
         self.decoder.decode(metadata)
+        self._schema_metadata = metadata
         schema = self.decoder.schema
         assert schema is not None
         return schema
+
+    def messages(self, ready: deque[ClientEvent], out: list[Batch], limit: int) -> int:
+        """Decode the :class:`~dissoc.protocol.MessageReady` events at the front of ``ready`` (each popped)
+        into ``out``, as :meth:`message` would one by one, until another kind of event comes or the bytes
+        decoded (``stats.bytes``) reach ``limit``; returns the bytes of their tagged messages (``nbytes``).
+        Bodies landed for one read are decoded here in fewer steps (the per-batch path of small batches)."""
+        stats = self.stats
+        consumed = batches = rows = nbytes = 0
+        try:
+            while ready:
+                ev = ready[0]
+                if type(ev) is not MessageReady:
+                    break
+                ready.popleft()
+                size = ev.nbytes
+                consumed += size
+                body = ev.body
+                if type(body) is Landed and body.plain is not None:
+                    batch: Batch = body.plain.read(body.framed)
+                    batches += 1
+                    rows += batch.num_rows
+                    nbytes += size
+                    out.append(batch)
+                else:
+                    got = self.message(ev)
+                    if got is not None:
+                        out.append(got)
+                if stats.bytes + nbytes >= limit:
+                    break
+        finally:
+            stats.batches += batches
+            stats.rows += rows
+            stats.bytes += nbytes
+        return consumed
 
     def message(self, ev: MessageReady) -> Batch | None:
         """A released message as a batch (None: a dictionary batch, nothing to hand over), counted."""

@@ -11,6 +11,7 @@ and the body lands there with no copy at all.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import pyarrow as pa
@@ -24,6 +25,10 @@ __all__ = ["SLAB_BYTES", "Landed", "Slabs", "copied"]
 SLAB_BYTES = 1 << 20
 #: Distinct metadata a stream's slabs keep the one-read landing of (a stream of same-shaped batches has one).
 _PLAIN_KEPT = 64
+#: The largest landing that shares a slab with others (larger bodies get an allocation of their own).
+_SHARED_MAX = SLAB_BYTES // 4
+_ALIGN_UP = ALIGNMENT - 1
+_ALIGN_MASK = -ALIGNMENT
 _NO_SLAB = pa.py_buffer(b"")
 
 
@@ -48,46 +53,57 @@ def copied(staged: memoryview) -> object:
 class Slabs:
     """Lands bodies for one decoder (see the module's text)."""
 
-    __slots__ = ("_address", "_decoder", "_plain", "_pos", "_slab", "_view")
+    __slots__ = ("_address", "_decoder", "_plain", "_pos", "_slab", "_view", "find")
 
-    def __init__(self, decoder: MessageDecoder) -> None:
+    def __init__(self, decoder: MessageDecoder, find: Callable[[int], bytes | None] | None = None) -> None:
         self._decoder = decoder
+        #: ``find(tag)``: the metadata a packed body tagged so will be released with, if known (land_tagged).
+        self.find = find
         self._pos = SLAB_BYTES
         self._view = memoryview(b"")
         self._slab = _NO_SLAB
         self._address = 0
         #: The decoder's one-read landings by metadata, once it has one (the per-message path asks here).
-        self._plain: dict[bytes, Landing] = {}
+        self._plain: dict[bytes, tuple[Landing | None, int, bytes]] = {}
+
+    def land_tagged(self, tag: int, length: int) -> tuple[Landed, int] | None:
+        """A connection's lander (``Connection.set_lander``): :meth:`reserve` for a packed body whose metadata
+        ``find`` knows; None (the allocator's) for any other tagged message."""
+        find = self.find
+        metadata = find(tag) if find is not None else None
+        return None if metadata is None else self.reserve(metadata, length)
 
     def reserve(self, metadata: bytes, nbytes: int) -> tuple[Landed, int] | None:
         """Room in the current slab for a packed body of ``nbytes`` that a transport will receive itself,
         after room for ``metadata``'s framing (the framing is written now): the :class:`Landed` to decode it
         from once it has arrived, and the address its bytes go to. None for a body too large to share a slab
         (the transport's allocator gives it a buffer of its own)."""
-        plain = self._plain.get(metadata)
-        if plain is None:
-            plain = self._decoder.landing(metadata)
-            if plain is not None:
-                if len(self._plain) < _PLAIN_KEPT:
-                    self._plain[metadata] = plain
-                room = plain.room
-            else:
-                room = frame_room(len(metadata))
-        else:
-            room = plain.room
+        known = self._plain.get(metadata)
+        if known is None:
+            known = self._landing_of(metadata)
+        plain, room, head = known
         need = room + nbytes
-        if need > SLAB_BYTES // 4:
+        if need > _SHARED_MAX:
             return None
         pos = self._pos
         if pos + need > SLAB_BYTES:
             pos = self._next()
-        end = pos + need
-        self._pos = (end + ALIGNMENT - 1) & -ALIGNMENT
+        self._pos = (pos + need + _ALIGN_UP) & _ALIGN_MASK
         if plain is not None:
-            self._view[pos : pos + room] = plain.head
+            self._view[pos : pos + room] = head
             return _new_landed(Landed, (self._slab.slice(pos, need), plain)), self._address + pos + room
-        landed = _new_landed(Landed, (pa.py_buffer(self._view[pos:end]), None))
+        landed = _new_landed(Landed, (pa.py_buffer(self._view[pos : pos + need]), None))
         return landed, self._address + pos + room
+
+    def _landing_of(self, metadata: bytes) -> tuple[Landing | None, int, bytes]:
+        """The decoder's one-read landing for ``metadata`` (kept once it has one), its room and head."""
+        plain = self._decoder.landing(metadata)
+        if plain is None:
+            return None, frame_room(len(metadata)), b""
+        known = (plain, plain.room, plain.head)
+        if len(self._plain) < _PLAIN_KEPT:
+            self._plain[metadata] = known
+        return known
 
     def _next(self) -> int:
         """A fresh slab to land in (an idle pooled one, once nothing uses it): its first position."""
@@ -102,13 +118,13 @@ class Slabs:
         metadata (a body that came before it), a plain copy."""
         if metadata is None:
             return copied(staged)
-        plain = self._decoder.landing(metadata)
-        room = frame_room(len(metadata)) if plain is None else plain.room
+        known = self._plain.get(metadata)
+        plain, room, head = known if known is not None else self._landing_of(metadata)
         nbytes = len(staged)
         need = room + nbytes
         pos = self._pos
         if pos + need > SLAB_BYTES:
-            if need > SLAB_BYTES // 4:  # a large body: an allocation of its own
+            if need > _SHARED_MAX:  # a large body: an allocation of its own
                 landing = DEFAULT_POOL.allocate(need)
                 landing.data[room:] = staged
                 return _new_landed(Landed, (pa.py_buffer(landing), None))
@@ -116,10 +132,10 @@ class Slabs:
         end = pos + need
         view = self._view
         view[pos + room : end] = staged
-        self._pos = (end + ALIGNMENT - 1) & -ALIGNMENT
+        self._pos = (end + _ALIGN_UP) & _ALIGN_MASK
         if plain is not None:
             # the framing before the body: one read of a slice of the slab (whose batches then hold the slab
             # through pyarrow alone)
-            view[pos : pos + room] = plain.head
+            view[pos : pos + room] = head
             return _new_landed(Landed, (self._slab.slice(pos, need), plain))
         return _new_landed(Landed, (pa.py_buffer(view[pos:end]), None))

@@ -26,7 +26,7 @@ from dissoc.errors import (
 )
 from dissoc.logs import new_stream_id, stream_id
 from dissoc.metrics import CLIENT, Tally
-from dissoc.protocol import MessageReady, SchemaReceived, StreamEnded
+from dissoc.protocol import ArenaAnnouncement, MessageReady, SchemaReceived, StreamEnded
 from dissoc.session.decoding import Batch
 from dissoc.session.options import ClientOptions, FetchStats
 from dissoc.session.session import Session, live
@@ -138,16 +138,15 @@ async def _burst(session: Session, on_schema: Callable[[pa.Schema], None] | None
     start = stats.bytes
     consumed = 0
     ended = False
+    limit = start + CHUNK_BYTES
     while ready:
+        if type(ready[0]) is MessageReady:  # (a run of them, decoded in one call)
+            consumed += decoding.messages(ready, chunk, limit)
+            if stats.bytes >= limit:
+                break
+            continue
         ev = ready.popleft()
-        if isinstance(ev, MessageReady):
-            consumed += ev.nbytes
-            batch = decoding.message(ev)
-            if batch is not None:
-                chunk.append(batch)
-                if stats.bytes - start >= CHUNK_BYTES:
-                    break
-        elif isinstance(ev, SchemaReceived):
+        if isinstance(ev, SchemaReceived):
             schema = decoding.schema(ev.metadata)
             if on_schema is not None:
                 on_schema(schema)
@@ -155,6 +154,7 @@ async def _burst(session: Session, on_schema: Callable[[pa.Schema], None] | None
             ended = True
             break
         else:
+            assert isinstance(ev, ArenaAnnouncement)
             decoding.arena(ev)
     session.consumed(consumed)
     await session.frees.flush()

@@ -18,11 +18,21 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import pyarrow as pa
+
 from dissoc.buffers import default_allocator
 from dissoc.errors import DissocError, ProtocolError, TransportError
 from dissoc.logs import stream_id
 from dissoc.metrics import Sample, register
-from dissoc.protocol import BODY_PACKED, ClientState, ClientStream, Received, body_type_of, fmt_seq
+from dissoc.protocol import (
+    BODY_PACKED,
+    ClientState,
+    ClientStream,
+    Received,
+    SchemaReceived,
+    body_type_of,
+    fmt_seq,
+)
 from dissoc.session.connect import pool_key, take_or_open
 from dissoc.session.decoding import Decoding
 from dissoc.session.frees import Frees, run_later
@@ -103,6 +113,8 @@ class Session:
         )
         decoder = self.decoding.decoder
         ordered = options.ordered_metadata
+        # Where packed bodies land: lent ones are copied into the slabs as they are released (TCP's), and a
+        # transport that receives into addresses (UCX) is given room there before they arrive (land_tagged).
         self._slabs = Slabs(decoder) if self.decoding.lands_on_host else None
         self.stream = ClientStream(
             decoder.has_body,
@@ -114,6 +126,9 @@ class Session:
             shared_link=not self.split,
             keep=self._slabs.land if self._slabs is not None else _copy_kept,
         )
+        if self._slabs is not None:
+            self._slabs.find = self.stream.held_metadata
+        self._early_schema = self._slabs is not None
         #: Released events for the consumer, oldest first (the stream's own queue).
         self.ready = self.stream.events
         self.error: BaseException | None = None  # raised once the consumer has taken what came before it
@@ -157,7 +172,7 @@ class Session:
             data.set_allocator(allocate)
         if self._slabs is not None:
             # A transport that receives bodies into addresses (UCX) lands them after room for their metadata.
-            data.set_lander(self._land)
+            data.set_lander(self._slabs.land_tagged)
         if self.split:
             meta.set_receiver(_Door(self, tagged=False))
             data.set_receiver(_Door(self, tagged=True))
@@ -175,15 +190,6 @@ class Session:
 
     # -- the pump (inside the transports' reading callbacks; never raises) -----------------------------------
 
-    def _land(self, tag: int, length: int) -> tuple[object, int] | None:
-        """Where a packed body goes whose metadata is held for it (the data connection's lander): in a slab,
-        after room for its framing, to be decoded with one read; None for the allocator."""
-        slabs = self._slabs
-        if slabs is None or self.done:
-            return None
-        metadata = self.stream.held_metadata(tag)
-        return None if metadata is None else slabs.reserve(metadata, length)
-
     def take(self, messages: list[Received], lent: bool) -> int:
         """Messages from a connection into the stream; the consumer is woken for what they released."""
         stream = self.stream
@@ -192,6 +198,8 @@ class Session:
         except Exception as exc:  # handed to the consumer, which raises it
             self.failed(exc)
             return len(messages)
+        if self._early_schema and self.ready:
+            self._schema_early()
         if self.ready:
             waiter = self._wakeup
             if waiter is not None and not waiter.done():
@@ -201,6 +209,16 @@ class Session:
         if stream.pauses is not self._pauses:
             self._pause(stream.pauses)
         return taken
+
+    def _schema_early(self) -> None:
+        """The schema, decoded as soon as it is released, before the consumer takes it: the bodies that come
+        right behind it then land for a one-read decode (see _land). A schema that fails to decode is left to
+        the consumer, which raises the error in its place."""
+        ev = self.ready[0]
+        if isinstance(ev, SchemaReceived):
+            self._early_schema = False
+            with contextlib.suppress(DissocError, pa.ArrowException, ValueError):
+                self.decoding.schema(ev.metadata)
 
     def failed(self, exc: BaseException) -> None:
         """End the stream with ``exc``: the consumer raises it once it has taken what came before it."""

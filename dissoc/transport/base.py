@@ -669,13 +669,14 @@ class Connection(abc.ABC):
             )
         return buffer, view
 
-    def _allocate_at(self, tag: int, length: int) -> tuple[Any, object, int]:
+    def _allocate_at(self, tag: int, length: int, skip_lander: bool = False) -> tuple[Any, object, int]:
         """Where a tagged payload of ``length`` bytes goes, for a transport that hands its library addresses:
         the payload to hand out, what keeps its memory alive while it is written (a writable view of the
         allocator's buffer; the payload itself for the lander's) and the address of its first byte (a device
-        buffer's device address). The lander first (:meth:`set_lander`), then :meth:`_allocate`."""
+        buffer's device address). The lander first (:meth:`set_lander`; ``skip_lander``: the caller
+        asked it already), then :meth:`_allocate`."""
         lander = self._lander
-        if lander is not None:
+        if lander is not None and not skip_lander:
             try:
                 landed = lander(tag, length)
             except DissocError:

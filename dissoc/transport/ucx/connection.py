@@ -171,6 +171,7 @@ class UcxConnection(Connection):
         self._msg_recv = ucp.tag_msg_recv
         self._recv_what = f"{description}: receiving tagged message"
         self._inflight = 0
+        self._done_bytes = 0  # (of the messages received whole in this pass: see _hand_over)
         #: Sends posted and not known to be completed, oldest first (see send_many).
         self._sending: collections.deque[_Send] = collections.deque()
         self._sending_bytes = 0
@@ -558,7 +559,8 @@ class UcxConnection(Connection):
 
     def _hand_over(self, done: list[Received]) -> None:
         """Messages received whole in this pass (counted in ``_inflight`` until now) to the receiver."""
-        self._inflight -= sum(nbytes for _, _, nbytes in done)
+        self._inflight -= self._done_bytes
+        self._done_bytes = 0
         self._deliver_all(done)
 
     def _probe(
@@ -613,7 +615,8 @@ class UcxConnection(Connection):
         if not message:
             return False  # (not admitted now: it waits in UCX)
         try:
-            self._accept(found, length)
+            if self._tag_limits or self._budget is not None:  # (what _accept checks; most connections none)
+                self._accept(found, length)
         except DissocError as exc:
             if done:
                 self._hand_over(done)
@@ -621,14 +624,32 @@ class UcxConnection(Connection):
             self._teardown(exc)
             self._discard(message, length)
             return True
-        try:
-            buffer, view, address = self._allocate_at(found, length)
-        except BaseException:
-            self._discard(message, length)
-            raise
+        landed = None
+        lander = self._lander
+        if lander is not None:  # (the per-body path: Connection._allocate_at's first step, inline)
+            try:
+                landed = lander(found, length)
+            except BaseException as exc:
+                self._discard(message, length)
+                if isinstance(exc, DissocError) or not isinstance(exc, Exception):
+                    raise
+                raise TransportError(
+                    f"{self._description}: the lander failed for tagged message {found:#018x} of {length} "
+                    f"bytes: {exc!r}"
+                ) from exc
+        if landed is not None:
+            buffer, address = landed
+            view: object = buffer
+        else:
+            try:
+                buffer, view, address = self._allocate_at(found, length, skip_lander=True)
+            except BaseException:
+                self._discard(message, length)
+                raise
         ptr = self._msg_recv(self._worker_handle, address, length, message, _RECV_PARAM_ADDRESS)
         if not ptr and done is not None and waiter is None and not self._tagged:
             self._inflight += length
+            self._done_bytes += length
             done.append((found, buffer, length))
             return True
         request = RawRequest(ptr, None, self._recv_what, found) if ptr else COMPLETED
