@@ -167,6 +167,7 @@ class ClientStream:
         # The held run: metadata messages (seq, flatbuffer) that run on from the next one to release, each
         # waiting for its packed body.
         self._held: deque[tuple[int, bytes]] = deque()
+        self._held_at: dict[int, bytes] = {}  # the same, by sequence number (for held_metadata)
         self._held_bytes = 0
         # Input ahead of the window, waiting for releases (its source is paused meanwhile).
         self._stalled_meta: deque[Any] = deque()
@@ -245,17 +246,7 @@ class ClientStream:
         in the held run (it came in order and waits for its body: the common case); None otherwise. Cheap,
         changes nothing: a driver asks it to land a body where it will be decoded before the body arrives
         (see ``keep``)."""
-        held = self._held
-        if not held:
-            return None
-        first = held[0]
-        if first[0] == tag:  # (the common case: bodies come in order)
-            return first[1]
-        at = (tag - first[0]) & SEQ_MAX
-        if tag > _PACKED_TAG_MAX or at >= len(held):
-            return None
-        seq, metadata = held[at]
-        return metadata if seq == tag else None
+        return self._held_at.get(tag)  # (a packed body's tag is its seq; any other tag is no seq)
 
     def accepts(self, seq: int) -> bool:
         """Whether ``seq`` is inside the window now (see ``ReorderBuffer.accepts``)."""
@@ -291,6 +282,7 @@ class ClientStream:
         taken = 0
         # (what stays the same for the stream's life, as locals: this loop runs once per message)
         held = self._held
+        held_at = self._held_at
         reorder = self._reorder
         events = self.events
         bodied = self._bodied
@@ -321,8 +313,10 @@ class ClientStream:
                         ):
                             metadata = payload[PREFIX_SIZE:]
                             if metadata in bodied or self._with_body(metadata):
-                                self._expected = (seq + 1) & SEQ_MAX
+                                if ordered:
+                                    self._expected = (seq + 1) & SEQ_MAX
                                 held.append((seq, metadata))
+                                held_at[seq] = metadata
                                 self._held_bytes += len(metadata)
                                 continue
                     self._metadata_in(payload)
@@ -331,6 +325,7 @@ class ClientStream:
                     seq, metadata = held[0]
                     if reorder.advance(seq, nbytes + len(metadata)):
                         held.popleft()
+                        del held_at[seq]
                         self._held_bytes -= len(metadata)
                         body = keep(payload, metadata) if lent else payload
                         events.append(_new_event(MessageReady, (seq, metadata, BODY_PACKED, body, nbytes)))
@@ -483,6 +478,7 @@ class ClientStream:
         if held:
             if tag == held[0][0]:  # a packed body (type 0: the tag is the seq) for the first held message
                 seq, metadata = held.popleft()
+                del self._held_at[seq]
                 self._held_bytes -= len(metadata)
                 self._add_metadata(seq, metadata)
                 self._body(tag, self._keep(payload, metadata) if lent else payload, nbytes)
@@ -604,6 +600,7 @@ class ClientStream:
         if not metadata or not self._has_body(metadata):
             return False
         held.append((seq, metadata))
+        self._held_at[seq] = metadata
         self._held_bytes += len(metadata)
         self._settle()
         return True
@@ -613,6 +610,7 @@ class ClientStream:
         held = self._held
         while held:
             seq, metadata = held.popleft()
+            del self._held_at[seq]
             self._held_bytes -= len(metadata)
             self._add_metadata(seq, metadata)
 
