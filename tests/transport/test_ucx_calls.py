@@ -7,6 +7,7 @@ make the same calls with the same results, each on its own and under the UCX tra
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import shutil
@@ -25,6 +26,7 @@ from helpers.e2e import within
 from helpers.transport import connected_pair
 
 from dissoc.client import ClientOptions, fetch_async
+from dissoc.errors import TransportError
 from dissoc.server import Server
 from dissoc.session.landing import Slabs
 from dissoc.transport.ucx import calls as calls_module
@@ -137,7 +139,9 @@ def test_a_probe_takes_a_message_only_within_the_room_given(kind: Calls, pair: _
     for tag, size in ((1, 100), (2, 5000)):
         sent = kind.tag_send(pair.ep_handle, bytes(size), size, tag, param)
         if sent:
-            pair.until(lambda sent=sent: kind.request_test(sent) == UCS_OK, "the send")
+            while (status := kind.request_test(sent)) == UCS_INPROGRESS:
+                pair.progress()
+            assert status == UCS_OK
     first = pair.until(lambda: kind.tag_probe_take(pair.b_handle, 0, 0, 1000), "the probe")
     assert first[0] and first[1:] == (1, 100)  # taken: within the room
     into = np.empty(5000, dtype=np.uint8)
@@ -237,3 +241,59 @@ def test_contexts_send_messages_up_to_64_kib_eagerly() -> None:
         done = subprocess.run(run, capture_output=True, text=True, env={**env, **extra}, timeout=60)
         assert done.returncode == 0, done.stderr
         assert done.stdout.split() == [expected, expected], extra
+
+
+class _Collect:
+    """A receiver that takes every message (as the client's session does)."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[int | None, bytes]] = []
+        self.failed: list[Exception] = []
+
+    def on_messages(self, messages: list[tuple[int | None, Any, int]], lent: bool) -> int:
+        for tag, payload, nbytes in messages:
+            body = payload[0] if isinstance(payload, tuple) else payload
+            self.got.append((tag, bytes(memoryview(body)[:nbytes])))
+        return len(messages)
+
+    def on_failure(self, exc: Exception) -> None:
+        self.failed.append(exc)
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["lands", "raises"])
+async def test_a_receivers_lander_places_runs_of_bodies(kind: Calls, raises: bool) -> None:
+    """With a receiver and a lander, runs of tagged messages are taken, landed and received in one call
+    each (tag_take_run); a body too large for the lander goes to the allocator, and a lander that raises
+    fails the connection with a TransportError."""
+    import dissoc.transport.ucx  # noqa: F401 - registers the "ucx" scheme
+
+    slab = bytearray(1 << 20)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(slab))
+    used = [0]
+
+    def lander(tag: int, length: int) -> tuple[object, int] | None:
+        if raises:
+            raise RuntimeError("no room")
+        if length > 4096:
+            return None  # (the allocator's)
+        at = used[0]
+        used[0] += length
+        return (memoryview(slab)[at : at + length], base + at)
+
+    async with connected_pair("ucx", timeout=10) as (client, server):
+        collect = _Collect()
+        client.set_receiver(collect)
+        client.set_lander(lander)
+        bodies = [bytes([i]) * n for i, n in enumerate([100, 2000, 8000, 300, 4096])]
+        for i, body in enumerate(bodies):
+            await server.send_tagged(i, body)
+        deadline = time.monotonic() + 10
+        while len(collect.got) < len(bodies) and not collect.failed and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if raises:
+            assert collect.failed and "the lander failed" in str(collect.failed[0])
+            assert isinstance(collect.failed[0], TransportError)
+        else:
+            assert collect.got == list(enumerate(bodies))
+            assert used[0] == 100 + 2000 + 300 + 4096  # the 8000-byte body went to the allocator
+        client.set_receiver(None)

@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Bumped whenever the interface changes: the Python side uses this module only at the version it expects. */
-#define FAST_ABI 2
+#define FAST_ABI 3
 
 /* ucp_am_recv_attr_t: the message is a rendezvous announcement (its data must be fetched or released). */
 #define UCP_AM_RECV_ATTR_FLAG_RNDV (1ULL << 17)
@@ -204,6 +204,130 @@ fast_tag_probe_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                          (Py_ssize_t)info.length);
 }
 
+/*
+ * tag_take_run(worker, most, lander, done, param, stop_tag, max_length)
+ *     -> (status, handle, tag, length, extra, taken_bytes)
+ *
+ * The unclaimed tagged messages (mask 0), oldest first, each taken out of UCX while `most` admits it (most < 0:
+ * any; else at most `most` bytes in all, less each message taken), placed where `lander(tag, length)` says
+ * (a (payload, address) pair) and received there; each one UCX received at once is appended to `done` as
+ * (tag, payload, length). The run stops at the first message it leaves to the caller, and says why:
+ *   0  no message left (or none `most` admits: left in UCX, looked at only, handle 0)
+ *   1  a message for the caller (handle: taken out of UCX; 0: looked at only): tagged `stop_tag`, longer than
+ *      `max_length`, not admitted by `most` (handle 0), or one the lander left to the allocator (None)
+ *   2  a receive UCX has not completed: handle is its request, extra its payload
+ *   3  the lander raised: handle is the message (taken out of UCX), extra the exception
+ *   4  the receive failed at once: handle is the error status coded as a pointer, extra the payload
+ * taken_bytes: the bytes of the messages appended to `done`.
+ */
+static PyObject *
+fast_tag_take_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    void *worker, *param;
+    uint64_t stop_tag;
+    size_t max_length;
+    tag_recv_info_t info;
+    (void)self;
+    if (check_args(nargs, 7, "tag_take_run") < 0 || as_pointer(args[0], &worker) < 0 ||
+        as_pointer(args[4], &param) < 0 || as_u64(args[5], &stop_tag) < 0 || as_size(args[6], &max_length) < 0)
+        return NULL;
+    long long most = PyLong_AsLongLong(args[1]);
+    if (most == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *lander = args[2], *done = args[3];
+    if (!PyList_Check(done)) {
+        PyErr_SetString(PyExc_TypeError, "tag_take_run(): done must be a list");
+        return NULL;
+    }
+    long long taken = 0;
+    int status = 0;
+    void *handle = NULL;
+    PyObject *extra = NULL;
+    info.sender_tag = 0;
+    info.length = 0;
+    for (;;) {
+        void *message = p_tag_probe(worker, 0, 0, most < 0, &info);
+        if (message == NULL)
+            break; /* status 0 */
+        if (most >= 0) {
+            if (info.length > (unsigned long long)most) {
+                status = info.sender_tag == stop_tag || info.length > max_length; /* (the caller's, looked at) */
+                break;
+            }
+            tag_recv_info_t again;
+            message = p_tag_probe(worker, info.sender_tag, ~(uint64_t)0, 1, &again);
+            if (message == NULL)
+                break;
+        }
+        if (info.sender_tag == stop_tag || info.length > max_length) {
+            status = 1;
+            handle = message;
+            break;
+        }
+        PyObject *call[2] = {PyLong_FromUnsignedLongLong(info.sender_tag), PyLong_FromSize_t(info.length)};
+        PyObject *placed = (call[0] != NULL && call[1] != NULL) ? PyObject_Vectorcall(lander, call, 2, NULL) : NULL;
+        Py_XDECREF(call[0]);
+        Py_XDECREF(call[1]);
+        if (placed == NULL) {
+            PyObject *type, *value, *traceback;
+            PyErr_Fetch(&type, &value, &traceback);
+            PyErr_NormalizeException(&type, &value, &traceback);
+            if (traceback != NULL && value != NULL)
+                PyException_SetTraceback(value, traceback);
+            Py_XDECREF(type);
+            Py_XDECREF(traceback);
+            status = 3;
+            handle = message;
+            extra = value != NULL ? value : Py_NewRef(Py_None);
+            break;
+        }
+        if (placed == Py_None) {
+            Py_DECREF(placed);
+            status = 1;
+            handle = message;
+            break;
+        }
+        void *address;
+        if (!PyTuple_Check(placed) || PyTuple_GET_SIZE(placed) != 2 ||
+            as_pointer(PyTuple_GET_ITEM(placed, 1), &address) < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "tag_take_run(): the lander must return (payload, address)");
+            PyObject *type, *value, *traceback;
+            PyErr_Fetch(&type, &value, &traceback);
+            PyErr_NormalizeException(&type, &value, &traceback);
+            Py_XDECREF(type);
+            Py_XDECREF(traceback);
+            Py_DECREF(placed);
+            status = 3;
+            handle = message;
+            extra = value != NULL ? value : Py_NewRef(Py_None);
+            break;
+        }
+        PyObject *payload = Py_NewRef(PyTuple_GET_ITEM(placed, 0));
+        Py_DECREF(placed);
+        void *request = p_tag_msg_recv(worker, address, info.length, message, param);
+        if (request != NULL) {
+            /* (uintptr_t)request >= (uintptr_t)UCS_ERR_LAST (-100): an error status, not a request */
+            status = (uintptr_t)request >= (uintptr_t)(intptr_t)-100 ? 4 : 2;
+            handle = request;
+            extra = payload;
+            break;
+        }
+        PyObject *entry = Py_BuildValue("(KNn)", (unsigned long long)info.sender_tag, payload,
+                                        (Py_ssize_t)info.length);
+        if (entry == NULL || PyList_Append(done, entry) < 0) {
+            Py_XDECREF(entry);
+            return NULL; /* (out of memory: the message is received, its payload dropped) */
+        }
+        Py_DECREF(entry);
+        taken += (long long)info.length;
+        if (most >= 0)
+            most -= (long long)info.length;
+    }
+    return Py_BuildValue("(iNKnNL)", status, PyLong_FromVoidPtr(handle), (unsigned long long)info.sender_tag,
+                         (Py_ssize_t)info.length, extra != NULL ? extra : Py_NewRef(Py_None), taken);
+}
+
 /* tag_msg_recv(worker, address, length, message, param) -> the request pointer (0: completed at once) */
 static PyObject *
 fast_tag_msg_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -353,6 +477,9 @@ static PyMethodDef fast_methods[] = {
      "tag_probe(worker, tag, mask, remove) -> (message, sender_tag, length) | None"},
     {"tag_probe_take", (PyCFunction)(void (*)(void))fast_tag_probe_take, METH_FASTCALL,
      "tag_probe_take(worker, tag, mask, most) -> (message, sender_tag, length) | None; message 0: left in UCX"},
+    {"tag_take_run", (PyCFunction)(void (*)(void))fast_tag_take_run, METH_FASTCALL,
+     "tag_take_run(worker, most, lander, done, param, stop_tag, max_length) -> (status, handle, tag, length, "
+     "extra, taken_bytes)"},
     {"tag_msg_recv", (PyCFunction)(void (*)(void))fast_tag_msg_recv, METH_FASTCALL,
      "tag_msg_recv(worker, address, length, message, param) -> request pointer"},
     {"tag_send", (PyCFunction)(void (*)(void))fast_tag_send, METH_FASTCALL,

@@ -28,7 +28,7 @@ __all__ = ["Calls", "calls", "native_module"]
 logger = logging.getLogger(__name__)
 
 #: The C module's interface version this package is written for (``_fast.ABI``).
-NATIVE_ABI = 2
+NATIVE_ABI = 3
 
 #: Every bit of a tag.
 ALL = 0xFFFF_FFFF_FFFF_FFFF
@@ -67,6 +67,12 @@ class Calls:
     #: ``tag_probe_take(worker, tag, mask, most)``: the oldest message matching, taken out of UCX when
     #: ``most < 0`` or its length is at most ``most``, else only looked at (then its message handle is 0).
     tag_probe_take: Callable[[int, int, int, int], tuple[int, int, int] | None]
+    #: ``tag_take_run(worker, most, lander, done, param, stop_tag, max_length)``: unclaimed messages taken,
+    #: landed and received in one call, until one is left to the caller (see ``_fast.c`` for the statuses).
+    tag_take_run: Callable[
+        [int, int, Callable[[int, int], tuple[object, int] | None], list[Any], int, int, int],
+        tuple[int, int, int, int, object, int],
+    ]
     tag_msg_recv: Callable[[int, int, int, int, int], int]
     tag_send: Callable[[int, int | bytes, int, int, int], int]
     am_send: Callable[[int, int, int | bytes, int, int | bytes, int, int], int]
@@ -88,6 +94,7 @@ class Calls:
             native.bind(*(_address(fn) for fn in functions))
             self.tag_probe = native.tag_probe
             self.tag_probe_take = native.tag_probe_take
+            self.tag_take_run = native.tag_take_run
             self.tag_msg_recv = native.tag_msg_recv
             self.tag_send = native.tag_send
             self.am_send = native.am_send
@@ -118,6 +125,42 @@ class Calls:
             if most >= 0:
                 message = probe(worker, found, ALL, 1, info_address) if length <= most else 0
             return message or 0, found, length
+
+        def tag_take_run(
+            worker: int,
+            most: int,
+            lander: Callable[[int, int], tuple[object, int] | None],
+            done: list[Any],
+            param: int,
+            stop_tag: int,
+            max_length: int,
+        ) -> tuple[int, int, int, int, object, int]:
+            taken = found = length = 0
+            while True:
+                probed = tag_probe_take(worker, 0, 0, most)
+                if probed is None:
+                    return 0, 0, found, length, None, taken
+                message, found, length = probed
+                if not message:  # (not admitted by most: looked at only)
+                    caller = found == stop_tag or length > max_length
+                    return 1 if caller else 0, 0, found, length, None, taken
+                if found == stop_tag or length > max_length:
+                    return 1, message, found, length, None, taken
+                try:
+                    placed = lander(found, length)
+                except Exception as exc:
+                    return 3, message, found, length, exc, taken
+                if placed is None:
+                    return 1, message, found, length, None, taken
+                payload, address = placed
+                request = recv(worker, address, length, message, param) or 0
+                if request:
+                    error = request % (1 << 64) >= (-100) % (1 << 64)  # UCS_PTR_IS_ERR
+                    return 4 if error else 2, request, found, length, payload, taken
+                done.append((found, payload, length))
+                taken += length
+                if most >= 0:
+                    most -= length
 
         def tag_msg_recv(worker: int, address: int, length: int, message: int, param: int) -> int:
             return recv(worker, address, length, message, param) or 0
@@ -150,6 +193,7 @@ class Calls:
 
         self.tag_probe = tag_probe
         self.tag_probe_take = tag_probe_take
+        self.tag_take_run = tag_take_run
         self.tag_msg_recv = tag_msg_recv
         self.tag_send = tag_send
         self.am_send = am_send

@@ -168,6 +168,7 @@ class UcxConnection(Connection):
         ucp = calls()
         self._tag_probe = ucp.tag_probe
         self._tag_probe_take = ucp.tag_probe_take
+        self._take_run_call = ucp.tag_take_run
         self._msg_recv = ucp.tag_msg_recv
         self._recv_what = f"{description}: receiving tagged message"
         self._inflight = 0
@@ -551,10 +552,63 @@ class UcxConnection(Connection):
                 activity = self._probe(waiter.tag, waiter.mask, waiter, force) or activity
         # Messages received whole at once go to a receiver together, at the end of the pass.
         done: list[Received] | None = [] if self._receiver is not None else None
+        if done is not None and self._lander is not None and not force:
+            activity = self._take_run(done) or activity
         while not self._closed and self._probe(0, 0, None, force, done):
             activity = True
         if done:
             self._hand_over(done)
+        return activity
+
+    def _take_run(self, done: list[Received]) -> bool:
+        """The unclaimed messages of the common case (a receiver, a lander, no other limit to take room in)
+        taken, landed and received in one call per run (``tag_take_run``), up to the first one it leaves to
+        :meth:`_take` or to the general pass; whether something happened."""
+        activity = False
+        run = self._take_run_call
+        lander = self._lander
+        if lander is None or self._budget is not None:
+            return False
+        while not (self._closed or self._tagged or self._paused_by_owner or self._tag_limits):
+            used = self._buffered + self._inflight
+            most = self._max_buffered_bytes - used if used else -1
+            if used and most < 0:
+                break  # (the budget is used up: the general pass looks at what waits)
+            status, handle, found, length, extra, taken = run(
+                self._worker_handle,
+                most,
+                lander,
+                done,
+                _RECV_PARAM_ADDRESS,
+                BYE_TAG,
+                self._max_message_bytes,
+            )
+            if taken:
+                activity = self._heard = True
+                self._inflight += taken
+                self._done_bytes += taken
+            if status == 0:
+                break
+            activity = self._heard = True
+            if (
+                status == 1
+            ):  # a message for _take: a BYE, one too large, one not admitted, one for the allocator
+                if not self._take(handle, found, length, None, done) or not handle:
+                    break
+                continue
+            if status == 3:  # the lander raised
+                self._discard(handle, length)
+                if isinstance(extra, DissocError) or not isinstance(extra, Exception):
+                    raise extra  # type: ignore[misc]
+                raise TransportError(
+                    f"{self._description}: the lander failed for tagged message {found:#018x} of {length} "
+                    f"bytes: {extra!r}"
+                ) from extra
+            # 2: a receive UCX did not complete at once; 4: one that failed (see _finish_tagged)
+            request = RawRequest(handle, None, self._recv_what, found)
+            self._inflight += length
+            self._tagged.append(_TaggedRecv(request, found, length, extra, extra, 0))
+            break
         return activity
 
     def _hand_over(self, done: list[Received]) -> None:
@@ -596,6 +650,13 @@ class UcxConnection(Connection):
             return False
         self._heard = True
         message, found, length = probed
+        return self._take(message, found, length, waiter, done)
+
+    def _take(
+        self, message: int, found: int, length: int, waiter: Waiter | None, done: list[Received] | None
+    ) -> bool:
+        """The rest of :meth:`_probe` for a message it found (``message``: taken out of UCX; 0: looked at
+        only, it may not be taken now); whether something happened."""
         if found == BYE_TAG:
             self._take_bye(length, message or None)
             return True
