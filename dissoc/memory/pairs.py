@@ -212,6 +212,8 @@ class _Leasing(PairReader):
         self._lock = threading.Lock()
         self._closed = False
         self.outstanding = 0
+        #: The live leases' weak references, with the ranges each frees when its batch goes.
+        self._leases: dict[weakref.ref[object], list[int]] = {}
         self.idle = threading.Event()
         self.idle.set()
         #: Called (in the releasing thread) once the last live batch was released, after ``on_release``.
@@ -224,7 +226,13 @@ class _Leasing(PairReader):
                 raise ResourceError("pair reader: expected an open reader, got a closed one")
             self.outstanding += 1
             self.idle.clear()
-        weakref.finalize(lease, self._released, offsets)
+        # (a weak reference with a callback, kept until it fires: a batch's lease costs less than a finalizer)
+        self._leases[weakref.ref(lease, self._gone)] = offsets
+
+    def _gone(self, ref: weakref.ref[object]) -> None:
+        offsets = self._leases.pop(ref, None)
+        if offsets is not None:
+            self._released(offsets)
 
     def _released(self, offsets: list[int]) -> None:
         # Runs in whichever thread dropped the batch's last buffer.

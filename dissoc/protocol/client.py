@@ -75,6 +75,8 @@ _METADATA: Final = int(MessageType.METADATA)
 _EOS: Final = int(MessageType.END_OF_STREAM)
 #: The largest tag of a packed body (body type 0 in bits 56-63, reserved bits 32-55 clear): the seq itself.
 _PACKED_TAG_MAX: Final = 0xFFFF_FFFF
+#: The body-type bits of a pair list's tag (body type 1): its tag is the seq with these set.
+_PAIRS_TAG: Final = BODY_PAIRS << BODY_TYPE_SHIFT
 #: A :class:`MessageReady` from its fields without the named tuple's Python-level ``__new__`` (one per batch).
 _new_event: Final = tuple.__new__
 #: Distinct metadata a stream remembers as having a body (a stream of same-shaped batches has one).
@@ -335,6 +337,23 @@ class ClientStream:
                         if self._in_flight >= self._max_in_flight and not self._paused:
                             self._paused = self._moved = True
                             break  # (the rest waits for the consumer)
+                        continue
+                    self._body_in(tag, payload, nbytes, lent)
+                elif held and tag == held[0][0] | _PAIRS_TAG:
+                    # A pair list for the first held message: decoded, then both released in one step.
+                    seq, metadata = held[0]
+                    pairs = decode_pairs(_host_view(keep(payload, None) if lent else payload))
+                    if reorder.advance(seq, nbytes + len(metadata)):
+                        held.popleft()
+                        del held_at[seq]
+                        self._held_bytes -= len(metadata)
+                        events.append(_new_event(MessageReady, (seq, metadata, BODY_PAIRS, pairs, nbytes)))
+                        self._in_flight += nbytes
+                        if self._state is not _STREAMING:
+                            self._released(())
+                        if self._in_flight >= self._max_in_flight and not self._paused:
+                            self._paused = self._moved = True
+                            break
                         continue
                     self._body_in(tag, payload, nbytes, lent)
                 else:

@@ -21,6 +21,7 @@ from dissoc.protocol import (
     ClientState,
     ClientStream,
     MessageReady,
+    PairList,
     Received,
     SchemaReceived,
     ServerStream,
@@ -29,6 +30,7 @@ from dissoc.protocol import (
     encode_eos,
     encode_error,
     encode_metadata_header,
+    encode_pairs,
 )
 
 
@@ -141,6 +143,23 @@ def test_held_metadata_names_what_a_body_will_be_released_with() -> None:
     assert c.held_metadata(2) is None
     c.receive([md(4), body(2), body(3), body(4), body(5)])
     assert ready_seqs(drain(c)) == [1, 2, 3, 4, 5]
+
+
+def test_pair_lists_for_the_held_run_release_their_messages_whatever_is_lent() -> None:
+    for lent in (False, True):
+        c = started()
+        c.receive([md(1), md(2)])
+        tagged: list[Received] = []
+        for seq in (1, 2):
+            body = encode_pairs([(64 * seq, 8), (0, 0)])
+            tagged.append(((1 << 56) | seq, memoryview(body) if lent else body, len(body)))
+        c.receive(tagged, lent=lent)
+        events = drain(c)
+        assert ready_seqs(events) == [1, 2] and not c.waiting
+        lists = [e.body for e in events if isinstance(e, MessageReady)]
+        assert [pl.flat() for pl in lists if isinstance(pl, PairList)] == [(64, 8, 0, 0), (128, 8, 0, 0)]
+        with pytest.raises(ProtocolError, match="pair list"):
+            c.receive([md(3), ((1 << 56) | 3, b"short", 5)])
 
 
 # -- an in-order transport -----------------------------------------------------------------------------------
