@@ -46,7 +46,8 @@ ENV_PREFIX = "DISSOC_"
 #: The option naming the configuration file (itself only from the flag or the environment).
 CONFIG_KEY = "config"
 #: Variables of dissoc's other parts (``dissoc get``'s token, the device backend, the Spark exchange's host,
-#: the images' health check, the codec's compiled checks), never taken for options.
+#: the images' health check, the codec's compiled checks, the UCX transport's C module), never taken for
+#: options.
 OTHER_VARIABLES = frozenset(
     {
         "DISSOC_TOKEN",
@@ -55,6 +56,7 @@ OTHER_VARIABLES = frozenset(
         "DISSOC_SPARK_HOST",
         "DISSOC_HEALTH_URI",
         "DISSOC_JIT",
+        "DISSOC_UCX_NATIVE",
     }
 )
 

@@ -18,6 +18,9 @@
 #                (the machine's packages are left as they are; dissoc itself comes from this checkout)
 #   env          nvidia-smi's driver and CUDA version, the GPU, and the versions of Python, CuPy, ucxx,
 #                pyarrow and numpy; fails when CuPy sees no device or ucxx does not import
+#   native       the UCX transport's C module (dissoc/transport/ucx/_fast.c) compiled in place for this Python,
+#                where a C compiler and Python's headers are at hand (skipped otherwise: the transport then
+#                goes through ctypes, slower per small message); env says which the run used
 #   tests        python -m pytest -m gpu tests/device (every gpu-marked test is there)
 #   bench        benchmarks/gpu.py --sizes 16,256 --total-mib 1024 --repeat 5
 #   bench-reuse  the same with --reuse-connections, for the paths it changes (ucx-packed, cuda-ipc-pairs-copy)
@@ -66,12 +69,14 @@ else
     py=python3
 fi
 
-# Time limits in seconds: 40 + 40 + 170 + 120 + 70, plus 5 s of grace each, is 465 s.
+# Time limits in seconds: 40 + 30 + 20 + 140 + 110 + 60 + 40, plus 5 s of grace each, is 475 s (the H200 run of
+# the whole check took 112 s).
 LIMIT_INSTALL=40
-LIMIT_ENV=40
-LIMIT_TESTS=160
-LIMIT_BENCH=120
-LIMIT_BENCH_REUSE=70
+LIMIT_ENV=30
+LIMIT_NATIVE=20
+LIMIT_TESTS=140
+LIMIT_BENCH=110
+LIMIT_BENCH_REUSE=60
 LIMIT_STREAMS=40
 
 # step NAME LIMIT COMMAND...: runs COMMAND under LIMIT seconds and records NAME's status in steps.tsv.
@@ -119,6 +124,30 @@ main() {
     fi
     export PYTHONPATH="$PWD${site:+:$site}${PYTHONPATH:+:$PYTHONPATH}"
 
+    # --- native
+    if [ "$fake" = 1 ]; then
+        skip native "--fake: this checkout's own build"
+    elif ! command -v cc >/dev/null 2>&1; then
+        skip native "no C compiler: the UCX transport goes through ctypes"
+    else
+        step native "$LIMIT_NATIVE" "$py" - <<'PY'
+import os
+import subprocess
+import sys
+import sysconfig
+
+source = "dissoc/transport/ucx/_fast.c"
+target = os.path.join(os.path.dirname(source), "_fast" + sysconfig.get_config_var("EXT_SUFFIX"))
+include = sysconfig.get_paths()["include"]
+if not os.path.exists(os.path.join(include, "Python.h")):
+    print(f"no Python.h in {include}: the UCX transport goes through ctypes")
+    sys.exit(1)
+argv = ["cc", "-O2", "-shared", "-fPIC", f"-I{include}", source, "-o", target]
+print(" ".join(argv))
+sys.exit(subprocess.run(argv).returncode)
+PY
+    fi
+
     # --- env
     step env "$LIMIT_ENV" "$py" - "$out/env.json" "$fake" <<'PY'
 import importlib
@@ -151,6 +180,13 @@ for gpu in env["gpus"]:
     print(f"gpu: {gpu}")
 
 packages: dict = {}
+try:
+    from dissoc.transport.ucx.calls import native_module
+
+    env["ucx_calls"] = "C module" if native_module() is not None else "ctypes"
+except Exception as exc:
+    env["ucx_calls"] = f"unknown ({type(exc).__name__}: {exc})"
+print(f"UCX per-message calls: {env['ucx_calls']}")
 for name in ("dissoc", "numpy", "pyarrow", "cupy", "ucxx", "lz4", "zstandard", "pytest", "pytest_asyncio"):
     try:
         module = importlib.import_module(name)

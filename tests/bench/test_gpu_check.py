@@ -59,6 +59,7 @@ def test_gpu_check_fake_runs_every_step_and_writes_its_summary(tmp_path: Path) -
     steps = {s["name"]: s["status"] for s in summary["steps"]}
     assert steps == {
         "install": "skipped",
+        "native": "skipped",
         "env": "passed",
         "tests": "passed",
         "bench": "passed",
@@ -67,7 +68,7 @@ def test_gpu_check_fake_runs_every_step_and_writes_its_summary(tmp_path: Path) -
     }
     packages = summary["env"]["packages"]
     assert Path(packages["dissoc"]["from"]) == REPO / "dissoc", "dissoc must come from the checkout"
-    assert {"python", "nvidia_smi", "gpus"} <= set(summary["env"])
+    assert {"python", "nvidia_smi", "gpus", "ucx_calls"} <= set(summary["env"])
     tests = summary["tests"]
     assert tests["tests"] > 0 and tests["failures"] == tests["errors"] == 0
     assert {e["path"] for e in summary["bench"]["results"]} == {
