@@ -148,12 +148,11 @@ def produce(append: Callable[[pa.RecordBatch], Any], count: int, rate: float | N
     gc.collect()
     gc.disable()
     try:
-        start = time.monotonic_ns()
-        first = start
+        first = time.monotonic_ns()
         for i in range(count):
             t, batch = maker.make(i)
-            if period:
-                delay = start + i * period - time.monotonic_ns()
+            if period and i:  # (the schedule counts from the first batch's hand-over, however late it was)
+                delay = first + i * period - time.monotonic_ns()
                 if delay > 0:
                     time.sleep(delay / 1e9)
             now = time.monotonic_ns()
