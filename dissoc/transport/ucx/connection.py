@@ -590,10 +590,10 @@ class UcxConnection(Connection):
             if status == 0:
                 break
             activity = self._heard = True
-            if (
-                status == 1
-            ):  # a message for _take: a BYE, one too large, one not admitted, one for the allocator
-                if not self._take(handle, found, length, None, done) or not handle:
+            # 1: a message for _take: a BYE, one too large, one not admitted, one the lander left to the
+            # allocator (so _take does not ask it again)
+            if status == 1:
+                if not self._take(handle, found, length, None, done, ask_lander=False) or not handle:
                     break
                 continue
             if status == 3:  # the lander raised
@@ -653,10 +653,17 @@ class UcxConnection(Connection):
         return self._take(message, found, length, waiter, done)
 
     def _take(
-        self, message: int, found: int, length: int, waiter: Waiter | None, done: list[Received] | None
+        self,
+        message: int,
+        found: int,
+        length: int,
+        waiter: Waiter | None,
+        done: list[Received] | None,
+        ask_lander: bool = True,
     ) -> bool:
         """The rest of :meth:`_probe` for a message it found (``message``: taken out of UCX; 0: looked at
-        only, it may not be taken now); whether something happened."""
+        only, it may not be taken now); whether something happened. ``ask_lander``: False where the lander
+        already left this message to the allocator."""
         if found == BYE_TAG:
             self._take_bye(length, message or None)
             return True
@@ -686,7 +693,7 @@ class UcxConnection(Connection):
             self._discard(message, length)
             return True
         landed = None
-        lander = self._lander
+        lander = self._lander if ask_lander else None
         if lander is not None:  # (the per-body path: Connection._allocate_at's first step, inline)
             try:
                 landed = lander(found, length)
