@@ -204,6 +204,20 @@ fast_tag_probe_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                          (Py_ssize_t)info.length);
 }
 
+/* The exception being raised, taken out of the error indicator (with its traceback), or None. */
+static PyObject *
+raised(void)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (traceback != NULL && value != NULL)
+        PyException_SetTraceback(value, traceback);
+    Py_XDECREF(type);
+    Py_XDECREF(traceback);
+    return value != NULL ? value : Py_NewRef(Py_None);
+}
+
 /*
  * tag_take_run(worker, most, lander, done, param, stop_tag, max_length)
  *     -> (status, handle, tag, length, extra, taken_bytes)
@@ -269,16 +283,9 @@ fast_tag_take_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_XDECREF(call[0]);
         Py_XDECREF(call[1]);
         if (placed == NULL) {
-            PyObject *type, *value, *traceback;
-            PyErr_Fetch(&type, &value, &traceback);
-            PyErr_NormalizeException(&type, &value, &traceback);
-            if (traceback != NULL && value != NULL)
-                PyException_SetTraceback(value, traceback);
-            Py_XDECREF(type);
-            Py_XDECREF(traceback);
             status = 3;
             handle = message;
-            extra = value != NULL ? value : Py_NewRef(Py_None);
+            extra = raised();
             break;
         }
         if (placed == Py_None) {
@@ -292,15 +299,10 @@ fast_tag_take_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             as_pointer(PyTuple_GET_ITEM(placed, 1), &address) < 0) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_TypeError, "tag_take_run(): the lander must return (payload, address)");
-            PyObject *type, *value, *traceback;
-            PyErr_Fetch(&type, &value, &traceback);
-            PyErr_NormalizeException(&type, &value, &traceback);
-            Py_XDECREF(type);
-            Py_XDECREF(traceback);
             Py_DECREF(placed);
             status = 3;
             handle = message;
-            extra = value != NULL ? value : Py_NewRef(Py_None);
+            extra = raised();
             break;
         }
         PyObject *payload = Py_NewRef(PyTuple_GET_ITEM(placed, 0));

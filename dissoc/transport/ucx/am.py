@@ -101,9 +101,11 @@ def _handle_message(
     """The handler through ctypes (without the C module): everything goes to the receiver."""
     del header, header_length
     try:
-        _fallback(arg or 0, data, length, int(param[0].recv_attr))
+        attr = int(param[0].recv_attr)
     except BaseException:  # never let an exception unwind through UCX
         logger.exception("receiving an active message failed")
+        return UCS_OK
+    _fallback(arg or 0, data, length, attr)  # (which lets nothing unwind either)
     return UCS_OK
 
 
